@@ -1,0 +1,86 @@
+"""Rank, world and rendezvous from the environment: a launcher's (torchrun, deepspeed, vitp local)
+or SLURM's. Stages call :func:`dist_env` and never care which one started them.
+
+Rank-0 side effects (printing, progress) go through :func:`rank0_print`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    source: str = "single"  # "env" (a launcher set RANK/WORLD_SIZE), "slurm" or "single"
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First hostname of a SLURM nodelist ("node[1-2]" → "node1"); scontrol knows every syntax."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rest = head.split("[", 1)
+        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+    return head
+
+
+def _slurm_port(job_id: str) -> int:
+    # Deterministic per job so every task agrees without talking; away from common ports.
+    return 20000 + int(job_id) % 20000
+
+
+def dist_env(environ: dict | None = None) -> DistEnv:
+    """Read rank/world/master from a launcher's env vars, else SLURM's, else a single process."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(
+            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", 29500)), source="env")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        ntasks = int(env["SLURM_NTASKS"])
+        nnodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", 1)))
+        local_world = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or max(1, ntasks // nnodes))
+        return DistEnv(
+            rank=int(env["SLURM_PROCID"]), world_size=ntasks,
+            local_rank=int(env.get("SLURM_LOCALID", 0)), local_world_size=local_world,
+            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            master_port=int(env.get("MASTER_PORT") or _slurm_port(env.get("SLURM_JOB_ID", "0"))),
+            source="slurm")
+    return DistEnv()
+
+
+def export_env(d: DistEnv) -> None:
+    """Set the torch.distributed variables so any library (DeepSpeed) sees the same rendezvous."""
+    os.environ.update({
+        "RANK": str(d.rank), "WORLD_SIZE": str(d.world_size), "LOCAL_RANK": str(d.local_rank),
+        "LOCAL_WORLD_SIZE": str(d.local_world_size), "MASTER_ADDR": d.master_addr,
+        "MASTER_PORT": str(d.master_port),
+    })
+
+
+def rank0_print(*args, file=None, **kwargs) -> None:
+    """Print only on global rank 0 (the one helper for rank-0 console output)."""
+    if dist_env().is_rank0:
+        print(*args, file=file or sys.stdout, flush=True, **kwargs)

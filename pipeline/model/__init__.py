@@ -1,0 +1,19 @@
+"""The ViT model family: architecture, weight conversion/loading, pos-emb resampling, FLOPs."""
+
+from pipeline.model.convert import (
+    jax_npz_to_vitp,
+    save_safetensors,
+    timm_to_vitp,
+    vitp_to_jax_npz,
+    vitp_to_timm,
+)
+from pipeline.model.flops import train_step_flops, vit_forward_flops
+from pipeline.model.load import LoadReport, load_pretrained, load_state_dict_into
+from pipeline.model.posemb import resample_posemb
+from pipeline.model.vit import VARIANTS, ViT, build_vit, reset_head
+
+__all__ = [
+    "VARIANTS", "LoadReport", "ViT", "build_vit", "jax_npz_to_vitp", "load_pretrained",
+    "load_state_dict_into", "resample_posemb", "reset_head", "save_safetensors", "timm_to_vitp",
+    "train_step_flops", "vit_forward_flops", "vitp_to_jax_npz", "vitp_to_timm",
+]

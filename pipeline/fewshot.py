@@ -1,0 +1,164 @@
+"""Linear evaluation on frozen features: the paper's few-shot ridge regression and a linear probe.
+
+Few-shot (paper section 4.1, big_vision's `fewshot` evaluator): take `shots` training images per
+class, solve a regularised least-squares regression from their (whitened) features to {-1, 1}
+one-hot targets in closed form, and report the accuracy of arg-max predictions on the test set.
+Repeated over several random draws of the training images; the result is mean ± std.
+
+Everything here works on feature tensors, so it is testable without a model or a data loader:
+    x: [N, D] float features, y: [N] int64 labels in [0, num_classes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# The bias is a constant feature column. Large, so its weight is barely touched by the L2 penalty:
+# ridge on w·b with a column of value c penalises the bias as l2 * (bias / c)^2.
+BIAS_CONSTANT = 100.0
+
+
+@dataclass
+class Whitening:
+    """Per-feature standardisation fitted on the training features (test uses the same numbers)."""
+
+    mean: torch.Tensor  # [1, D]
+    std: torch.Tensor  # [1, D]
+
+    @classmethod
+    def fit(cls, x: torch.Tensor) -> Whitening:
+        x = x.double()
+        return cls(x.mean(0, keepdim=True), x.std(0, unbiased=False, keepdim=True) + 1e-5)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, D] -> [N, D + 1] float64 (standardised features plus the bias column)."""
+        z = (x.double() - self.mean) / self.std
+        return F.pad(z, (0, 1), value=BIAS_CONSTANT)
+
+
+def _check(x: torch.Tensor, y: torch.Tensor, what: str) -> None:
+    if x.ndim != 2 or y.ndim != 1 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"{what}: need features [N, D] and labels [N]; got {tuple(x.shape)} and {tuple(y.shape)}")
+
+
+def ridge_fit(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float) -> tuple[Whitening, torch.Tensor]:
+    """Closed-form L2-regularised least squares to {-1, 1} targets.
+
+    x: [N, D] features, y: [N] labels -> (whitening, W [D + 1, C]) with
+    W = (Xᵀ X + l2 I)⁻¹ Xᵀ T, X the whitened features with the bias column, T = 2 onehot(y) - 1.
+    When D + 1 > N the equivalent dual form Xᵀ (X Xᵀ + l2 I)⁻¹ T is solved instead (an N x N
+    system: few-shot sets are far smaller than the feature width).
+    """
+    _check(x, y, "ridge_fit")
+    if l2 <= 0:
+        raise ValueError(f"ridge_fit: l2 must be > 0; got {l2}")
+    white = Whitening.fit(x)
+    X = white(x)  # [N, D+1]
+    T = 2.0 * F.one_hot(y.long(), num_classes).double() - 1.0  # [N, C]
+    n, d = X.shape
+    if n >= d:
+        A = X.T @ X + l2 * torch.eye(d, dtype=X.dtype)
+        W = torch.linalg.solve(A, X.T @ T)
+    else:
+        A = X @ X.T + l2 * torch.eye(n, dtype=X.dtype)
+        W = X.T @ torch.linalg.solve(A, T)
+    return white, W
+
+
+def ridge_predict(white: Whitening, W: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x: [M, D] -> predicted labels [M]."""
+    return (white(x) @ W).argmax(1)
+
+
+def ridge_accuracy(train_x, train_y, test_x, test_y, num_classes: int, l2: float) -> float:
+    """Fit on (train_x, train_y), return top-1 accuracy on (test_x, test_y)."""
+    _check(test_x, test_y, "ridge_accuracy test set")
+    white, W = ridge_fit(train_x, train_y, num_classes, l2)
+    return (ridge_predict(white, W, test_x) == test_y.long()).double().mean().item()
+
+
+def sample_shots(labels: torch.Tensor, shots: int, seed: int, num_classes: int) -> torch.Tensor:
+    """Indices of `shots` random examples of each class (deterministic for a seed).
+
+    labels: [N] -> indices [num_classes * shots]. Raises if a class has fewer than `shots`.
+    """
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for c in range(num_classes):
+        idx = (labels == c).nonzero().flatten()
+        if idx.numel() < shots:
+            raise ValueError(f"few-shot: class {c} has {idx.numel()} training examples, fewer than {shots} shots")
+        out.append(idx[torch.randperm(idx.numel(), generator=g)[:shots]])
+    return torch.cat(out)
+
+
+def fewshot_eval(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
+                 num_classes: int, shots: Sequence[int] = (1, 5, 10, 25), seeds: int = 3,
+                 l2: float = 1.0) -> dict[int, dict]:
+    """Few-shot linear accuracy for each shot count: {shots: {"mean", "std", "accs": [per seed]}}.
+
+    Shot counts that some class cannot supply are skipped (reported as {"skipped": reason}), since
+    a small downstream set may have e.g. 20 images of its rarest class and still support 1/5/10.
+    """
+    _check(train_x, train_y, "few-shot train set")
+    out: dict[int, dict] = {}
+    for k in shots:
+        try:
+            accs = []
+            for s in range(seeds):
+                idx = sample_shots(train_y, k, seed=1000 * k + s, num_classes=num_classes)
+                accs.append(ridge_accuracy(train_x[idx], train_y[idx], test_x, test_y, num_classes, l2))
+        except ValueError as e:
+            out[k] = {"skipped": str(e)}
+            continue
+        t = torch.tensor(accs, dtype=torch.float64)
+        std = t.std(unbiased=False).item() if len(accs) > 1 else 0.0
+        out[k] = {"mean": t.mean().item(), "std": std, "accs": accs}
+    return out
+
+
+def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
+                 num_classes: int, l2: float = 1e-4, max_iter: int = 200) -> dict:
+    """Multinomial logistic regression on frozen, whitened features (full-batch L-BFGS).
+
+    The objective is convex, so L-BFGS to convergence is the deterministic equivalent of "train a
+    linear layer for a few epochs" and needs no learning rate. Returns {"top1", "train_top1"}.
+    """
+    _check(train_x, train_y, "linear probe train set")
+    _check(test_x, test_y, "linear probe test set")
+    white = Whitening.fit(train_x)
+    Xtr, Xte = white(train_x)[:, :-1], white(test_x)[:, :-1]  # the layer has its own bias
+    ytr = train_y.long()
+    layer = torch.nn.Linear(Xtr.shape[1], num_classes, dtype=torch.float64)
+    torch.nn.init.zeros_(layer.weight)
+    torch.nn.init.zeros_(layer.bias)
+    opt = torch.optim.LBFGS(layer.parameters(), lr=1.0, max_iter=max_iter, history_size=20,
+                            tolerance_grad=1e-9, tolerance_change=1e-12, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(layer(Xtr), ytr) + 0.5 * l2 * layer.weight.pow(2).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    with torch.no_grad():
+        top1 = (layer(Xte).argmax(1) == test_y.long()).double().mean().item()
+        train_top1 = (layer(Xtr).argmax(1) == ytr).double().mean().item()
+    return {"top1": top1, "train_top1": train_top1}
+
+
+def format_fewshot(results: dict[int, dict]) -> str:
+    """One line per shot count, e.g. '5-shot: 71.20 ± 0.85 % (3 seeds)'."""
+    lines = []
+    for k, r in results.items():
+        if "skipped" in r:
+            lines.append(f"{k}-shot: skipped ({r['skipped']})")
+        else:
+            lines.append(f"{k}-shot: {100 * r['mean']:.2f} ± {100 * r['std']:.2f} % ({len(r['accs'])} seeds)")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""Few-shot ridge regression and linear probe on tiny feature sets, checked against closed forms."""
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.fewshot import (
+    BIAS_CONSTANT,
+    fewshot_eval,
+    format_fewshot,
+    linear_probe,
+    ridge_accuracy,
+    ridge_fit,
+    sample_shots,
+)
+
+
+def _hand_ridge(x: np.ndarray, y: np.ndarray, num_classes: int, l2: float) -> np.ndarray:
+    """The textbook primal solution, written independently in numpy."""
+    mean, std = x.mean(0), x.std(0) + 1e-5
+    X = np.concatenate([(x - mean) / std, np.full((len(x), 1), BIAS_CONSTANT)], 1)
+    T = -np.ones((len(y), num_classes))
+    T[np.arange(len(y)), y] = 1.0
+    return np.linalg.inv(X.T @ X + l2 * np.eye(X.shape[1])) @ X.T @ T
+
+
+def test_ridge_matches_hand_closed_form_primal():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 3))  # N > D + 1: primal system
+    y = np.array([0, 1, 2] * 4)
+    _, W = ridge_fit(torch.from_numpy(x), torch.from_numpy(y), 3, l2=0.5)
+    np.testing.assert_allclose(W.numpy(), _hand_ridge(x, y, 3, 0.5), rtol=1e-9, atol=1e-10)
+
+
+def test_ridge_dual_form_equals_primal_when_features_outnumber_points():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4, 9))  # N < D + 1: the dual N x N system is solved
+    y = np.array([0, 1, 0, 1])
+    _, W = ridge_fit(torch.from_numpy(x), torch.from_numpy(y), 2, l2=2.0)
+    assert W.shape == (10, 2)
+    np.testing.assert_allclose(W.numpy(), _hand_ridge(x, y, 2, 2.0), rtol=1e-8, atol=1e-10)
+
+
+def test_ridge_one_feature_by_hand():
+    # One feature: x = [-1, 1] whitens to [-1, 1] (std 1, up to the 1e-5 guard); with the bias column
+    # c = 100, XᵀX = [[2, 0], [0, 2c²]], XᵀT for class 1 targets [-1, 1] is [2, 0]
+    # -> w = 2 / (2 + l2) and bias 0. With l2 = 2, w = 0.5.
+    x = torch.tensor([[-1.0], [1.0]])
+    _, W = ridge_fit(x, torch.tensor([0, 1]), 2, l2=2.0)
+    s = 1 / (1 + 1e-5)
+    assert W[0, 1].item() == pytest.approx(2 * s / (2 * s * s + 2.0), rel=1e-12)
+    assert W[1, 1].item() == pytest.approx(0.0, abs=1e-12)
+    assert W[0, 0].item() == pytest.approx(-W[0, 1].item(), rel=1e-12)
+
+
+def test_ridge_separates_clusters():
+    g = torch.Generator().manual_seed(0)
+    centres = torch.randn(4, 16, generator=g) * 4
+    y = torch.arange(4).repeat(30)
+    x = centres[y] + torch.randn(120, 16, generator=g)
+    assert ridge_accuracy(x[:40], y[:40], x[40:], y[40:], 4, l2=1.0) == 1.0
+
+
+def test_sample_shots_balanced_and_deterministic():
+    y = torch.tensor([0, 1, 2] * 10)
+    a = sample_shots(y, 5, seed=3, num_classes=3)
+    assert torch.equal(a, sample_shots(y, 5, seed=3, num_classes=3))
+    assert not torch.equal(a, sample_shots(y, 5, seed=4, num_classes=3))
+    assert torch.bincount(y[a], minlength=3).tolist() == [5, 5, 5]
+    assert len(set(a.tolist())) == 15
+    with pytest.raises(ValueError, match="class 0 has 10 training examples, fewer than 11"):
+        sample_shots(y, 11, seed=0, num_classes=3)
+
+
+def test_fewshot_eval_mean_std_over_seeds_and_skips_impossible_shots():
+    g = torch.Generator().manual_seed(1)
+    centres = torch.randn(3, 8, generator=g) * 2
+    y = torch.arange(3).repeat(12)
+    x = centres[y] + torch.randn(36, 8, generator=g)
+    res = fewshot_eval(x, y, x, y, 3, shots=(1, 5, 25), seeds=4, l2=1.0)
+    assert set(res) == {1, 5, 25}
+    for k in (1, 5):
+        accs = np.array(res[k]["accs"])
+        assert len(accs) == 4
+        assert res[k]["mean"] == pytest.approx(accs.mean())
+        assert res[k]["std"] == pytest.approx(accs.std())
+    assert res[5]["mean"] >= res[1]["mean"] - 0.05  # more shots, not worse (well-separated data)
+    assert "fewer than 25" in res[25]["skipped"]
+    text = format_fewshot(res)
+    assert "5-shot:" in text and "(4 seeds)" in text and "25-shot: skipped" in text
+
+
+def test_linear_probe_learns_linearly_separable_labels():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(600, 6, generator=g)
+    w = torch.randn(6, 3, generator=g)
+    y = (x @ w).argmax(1)
+    r = linear_probe(x[:500], y[:500], x[500:], y[500:], 3)
+    assert r["train_top1"] > 0.95
+    assert r["top1"] > 0.9
+
+
+def test_wrong_shapes_fail_clearly():
+    with pytest.raises(ValueError, match="features \\[N, D\\] and labels \\[N\\]"):
+        ridge_fit(torch.zeros(3, 2), torch.zeros(4, dtype=torch.long), 2, 1.0)
+    with pytest.raises(ValueError, match="l2 must be > 0"):
+        ridge_fit(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long), 2, 0.0)

@@ -1,0 +1,126 @@
+"""`vitp prep` and `vitp verify` (dispatched here by launch/cli.py; also `python -m data_prep.cli prep ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+
+PREP_EPILOG = """\
+examples:
+  vitp prep data/imagenet/train out/in1k --resize-shorter 256 --quality 90 --val-fraction 0.01 --workers 8
+  vitp prep data/labels.csv out/ds --split-column split --shard-size 500MB
+  vitp prep data/imagenet/train out/in1k --resize-shorter 256 --shard-range 0:16   # one SLURM array task
+
+A manifest (.csv/.jsonl/.parquet) has a path column (relative to the manifest) and a label column
+(class names or integer indices). Rerunning the same command resumes: complete shards are kept.
+"""
+
+VERIFY_EPILOG = """\
+example:
+  vitp verify out/in1k --workers 8
+Exit status 0 when every shard decodes and all counts and hashes agree; 1 with the problems listed.
+"""
+
+
+def parse_size(text: str) -> int:
+    """'500MB' → 500_000_000, '64MiB' → 67_108_864, '1000' → 1000."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"--shard-size {text!r}: expected a size like 500MB, 1GiB or 1000000")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+):(\d+)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"--shard-range {text!r}: expected START:STOP, e.g. 0:16")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _prep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vitp prep", description="Shard images into WebDataset tars.",
+                                epilog=PREP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="ImageFolder directory (root/<class>/<image>) or manifest file")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="global shuffle seed (default 0)")
+    p.add_argument("--val-fraction", type=float, default=0.0, help="stratified val split fraction, e.g. 0.01")
+    p.add_argument("--split-column", help="manifest column naming each row's split (instead of --val-fraction)")
+    p.add_argument("--path-column", default="path", help="manifest path column (default path)")
+    p.add_argument("--label-column", default="label", help="manifest label column (default label)")
+    p.add_argument("--classes", help="class names in index order: .json list or text file, one per line "
+                                     "(default: sorted names)")
+    p.add_argument("--shard-size", type=parse_size, help="max source bytes per shard, e.g. 500MB")
+    p.add_argument("--max-samples-per-shard", type=int, default=None,
+                   help="max samples per shard (default 5000 unless --shard-size is given)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resize-shorter", type=int, help="shrink so the shorter side is N (never enlarges)")
+    g.add_argument("--resize-longer", type=int, help="shrink so the longer side is N (never enlarges)")
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded images (default 90)")
+    p.add_argument("--min-size", type=int, default=16, help="reject images with a side below N px (default 16)")
+    p.add_argument("--max-pixels", type=int, default=89_478_485,
+                   help="reject larger images before decoding (decompression bombs; default 89478485)")
+    p.add_argument("--no-keep-original", dest="keep_original", action="store_false",
+                   help="always re-encode as JPEG (default: keep RGB JPEG/PNG/WebP bytes that need no change)")
+    p.add_argument("--dedup", action="store_true", help="reject files whose bytes equal an earlier file's")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--shard-range", type=parse_range, help="only these planned shards, START:STOP (job arrays)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line on stderr")
+    return p
+
+
+def prep_main(argv: list[str]) -> int:
+    args = _prep_parser().parse_args(argv)
+    from .prep import DEFAULT_MAX_SAMPLES_PER_SHARD, prep  # after parsing: `--help` stays instant
+
+    max_samples = args.max_samples_per_shard
+    if max_samples is None and args.shard_size is None:
+        max_samples = DEFAULT_MAX_SAMPLES_PER_SHARD
+    try:
+        summary = prep(
+            args.source, args.out, seed=args.seed, val_fraction=args.val_fraction, split_column=args.split_column,
+            path_column=args.path_column, label_column=args.label_column, classes=args.classes,
+            shard_size_bytes=args.shard_size, max_samples_per_shard=max_samples,
+            resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
+            min_size=args.min_size, max_pixels=args.max_pixels, keep_original=args.keep_original,
+            dedup=args.dedup, workers=args.workers, shard_range=args.shard_range, progress=args.progress,
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"vitp prep: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def verify_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="vitp verify", description="Check prepared shards end to end.",
+                                epilog=VERIFY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="directory written by vitp prep")
+    p.add_argument("--workers", type=int, default=1, help="processes reading shards (default 1)")
+    args = p.parse_args(argv)
+    from .verify import verify
+
+    problems = verify(args.out, workers=args.workers)
+    for line in problems:
+        print(line)
+    if problems:
+        print(f"vitp verify: {len(problems)} problem(s) in {args.out}", file=sys.stderr)
+        return 1
+    print(f"vitp verify: {args.out} OK")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("prep", "verify"):
+        print("usage: python -m data_prep.cli {prep,verify} ...", file=sys.stderr)
+        return 2
+    return (prep_main if argv[0] == "prep" else verify_main)(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

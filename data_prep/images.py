@@ -1,0 +1,235 @@
+"""One input file → one sanitized stored image (RGB, 8 bit, EXIF applied and stripped) or a Reject.
+
+Fast path: baseline RGB/gray JPEGs are decoded by simplejpeg (libjpeg-turbo) with DCT-domain
+downscaling chosen so the decoded image is still >= the target size, then resized with area
+averaging (antialiased) and re-encoded. Every other format goes through Pillow. Both paths are
+deterministic, so the same input always gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import os
+import warnings
+from dataclasses import asdict, dataclass
+
+import cv2
+import numpy as np
+import simplejpeg
+from PIL import Image, UnidentifiedImageError
+
+# Reject reasons (the `reason` field of rejects.jsonl).
+EMPTY, NOT_IMAGE, TRUNCATED, DECODE_ERROR = "empty", "not_image", "truncated", "decode_error"
+TOO_SMALL, TOO_LARGE = "too_small", "too_large"
+UNREADABLE, MISSING, SYMLINK_LOOP = "unreadable", "missing", "symlink_loop"
+
+# PIL's own default limit: larger images are almost always decompression bombs.
+DEFAULT_MAX_PIXELS = 89_478_485
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+_EXIF_ORIENTATION = 0x0112
+_KEEPABLE = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+
+
+class Reject(Exception):
+    """An input that cannot be stored; `reason` is one of the constants above."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class ImageOptions:
+    resize_shorter: int | None = None
+    resize_longer: int | None = None
+    quality: int = 90
+    min_size: int = 16
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_bytes: int = DEFAULT_MAX_BYTES
+    keep_original: bool = True
+
+    def __post_init__(self):
+        if self.resize_shorter and self.resize_longer:
+            raise ValueError("resize_shorter and resize_longer are exclusive; give one")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"quality={self.quality}: must be in 1..100")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Stored:
+    data: bytes
+    ext: str  # "jpg", "png" or "webp": the tar member extension
+    orig_width: int
+    orig_height: int
+    width: int
+    height: int
+    sha256: str
+
+
+def target_size(w: int, h: int, opts: ImageOptions) -> tuple[int, int]:
+    """Size after the optional resize; only ever shrinks (upscaling adds bytes, not information)."""
+    if opts.resize_shorter:
+        scale = opts.resize_shorter / min(w, h)
+    elif opts.resize_longer:
+        scale = opts.resize_longer / max(w, h)
+    else:
+        return w, h
+    if scale >= 1.0:
+        return w, h
+    return max(1, round(w * scale)), max(1, round(h * scale))
+
+
+def read_bytes(path: str, max_bytes: int) -> bytes:
+    """Read a file, mapping every OS failure to a Reject (never raises anything else)."""
+    try:
+        size = os.stat(path).st_size
+        if size > max_bytes:
+            raise Reject(TOO_LARGE, f"{size} bytes on disk > max_bytes={max_bytes}")
+        with open(path, "rb") as f:
+            return f.read()
+    except Reject:
+        raise
+    except IsADirectoryError:
+        raise Reject(UNREADABLE, "is a directory") from None
+    except FileNotFoundError:
+        raise Reject(MISSING, "no such file (or dangling symlink)") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise Reject(SYMLINK_LOOP, e.strerror or "too many levels of symbolic links") from None
+        raise Reject(UNREADABLE, e.strerror or str(e)) from None
+
+
+def orient(a: np.ndarray, orientation: int) -> np.ndarray:
+    """Apply an EXIF orientation (1..8) to a [H, W, C] array, like PIL.ImageOps.exif_transpose."""
+    if orientation == 2:
+        a = a[:, ::-1]
+    elif orientation == 3:
+        a = a[::-1, ::-1]
+    elif orientation == 4:
+        a = a[::-1]
+    elif orientation == 5:
+        a = a.transpose(1, 0, 2)
+    elif orientation == 6:
+        a = np.rot90(a, -1)
+    elif orientation == 7:
+        a = a.transpose(1, 0, 2)[::-1, ::-1]
+    elif orientation == 8:
+        a = np.rot90(a, 1)
+    return np.ascontiguousarray(a)
+
+
+def to_rgb_array(im: Image.Image) -> np.ndarray:
+    """Any Pillow mode → [H, W, 3] uint8. Transparency is composited on white, 16 bit is scaled, not clipped."""
+    mode = im.mode
+    if mode == "RGB":
+        return np.asarray(im)
+    if mode in ("RGBA", "LA", "La", "RGBa", "PA") or (mode == "P" and "transparency" in im.info) or (
+        mode in ("L", "RGB") and "transparency" in im.info
+    ):
+        rgba = np.asarray(im.convert("RGBA")).astype(np.uint32)
+        alpha = rgba[..., 3:4]
+        rgb = (rgba[..., :3] * alpha + 255 * (255 - alpha) + 127) // 255
+        return rgb.astype(np.uint8)
+    if mode.startswith("I") or mode == "F":
+        g = np.asarray(im)
+        if mode == "F":
+            g8 = np.clip(g, 0, 255).round().astype(np.uint8)
+        else:  # 16-bit range (I;16*, or I from a 16-bit file): 65535 → 255
+            g8 = ((np.clip(g.astype(np.int64), 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
+        return np.repeat(g8[..., None], 3, axis=2)
+    return np.asarray(im.convert("RGB"))
+
+
+def _png_is_rgb8(data: bytes) -> bool:
+    # IHDR sits at a fixed offset: byte 24 is the bit depth, byte 25 the colour type (2 = truecolour).
+    return len(data) > 26 and data[24] == 8 and data[25] == 2
+
+
+def _decode_error(e: Exception) -> Reject:
+    msg = str(e) or type(e).__name__
+    low = msg.lower()
+    if "truncated" in low or "premature end" in low or "broken data stream" in low:
+        return Reject(TRUNCATED, msg)
+    return Reject(DECODE_ERROR, msg)
+
+
+def _resize(a: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    if (a.shape[1], a.shape[0]) == size:
+        return a
+    # INTER_AREA averages all covered source pixels: antialiased downscaling.
+    return cv2.resize(a, size, interpolation=cv2.INTER_AREA)
+
+
+def process_image(path: str, opts: ImageOptions) -> Stored:
+    """Read, check and re-encode one image file. Raises Reject (only) for bad inputs."""
+    data = read_bytes(path, opts.max_bytes)
+    if not data:
+        raise Reject(EMPTY, "0 bytes")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))  # reads the header only: size is known before any decoding
+    except Image.DecompressionBombError as e:
+        raise Reject(TOO_LARGE, str(e)) from None
+    except UnidentifiedImageError:
+        raise Reject(NOT_IMAGE, "not a recognized image format") from None
+    except (SyntaxError, ValueError, OSError) as e:
+        raise Reject(NOT_IMAGE, str(e) or type(e).__name__) from None
+    w, h = im.size
+    if w * h > opts.max_pixels:
+        raise Reject(TOO_LARGE, f"{w}x{h} = {w * h} pixels > max_pixels={opts.max_pixels}")
+    if min(w, h) < opts.min_size:
+        raise Reject(TOO_SMALL, f"{w}x{h} < min_size={opts.min_size}")
+    try:
+        exif = im.getexif()
+        orientation = int(exif.get(_EXIF_ORIENTATION, 1))
+    except Exception:  # malformed EXIF is common and harmless: treat as upright
+        exif, orientation = {}, 1
+    if orientation not in range(1, 9):
+        orientation = 1
+    ow, oh = (h, w) if orientation >= 5 else (w, h)
+    tw, th = target_size(ow, oh, opts)
+
+    fmt = im.format
+    if (
+        opts.keep_original
+        and fmt in _KEEPABLE
+        and (tw, th) == (ow, oh)
+        and orientation == 1
+        and not exif
+        and im.mode == "RGB"
+        and "transparency" not in im.info
+        and getattr(im, "n_frames", 1) == 1
+        and (fmt != "PNG" or _png_is_rgb8(data))
+    ):
+        try:
+            im.load()  # a kept file must still decode completely
+        except Exception as e:
+            raise _decode_error(e) from None
+        return Stored(data, _KEEPABLE[fmt], w, h, w, h, hashlib.sha256(data).hexdigest())
+
+    try:
+        if fmt == "JPEG" and im.mode in ("RGB", "L"):
+            # DCT scaling: libjpeg picks the smallest 1/8-step scale still >= the (unrotated) target.
+            rw, rh = (th, tw) if orientation >= 5 else (tw, th)
+            a = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=rw, min_height=rh)
+        else:
+            im.load()
+            a = to_rgb_array(im)
+    except Reject:
+        raise
+    except Exception as e:
+        raise _decode_error(e) from None
+    a = _resize(orient(a, orientation), (tw, th))
+    out = simplejpeg.encode_jpeg(a, quality=opts.quality, colorspace="RGB", colorsubsampling="420")
+    return Stored(out, "jpg", w, h, a.shape[1], a.shape[0], hashlib.sha256(out).hexdigest())
+
+
+def init_worker() -> None:
+    """Per-process setup: one OpenCV thread, so N workers use N cores and not N × cores."""
+    cv2.setNumThreads(1)

@@ -1,0 +1,153 @@
+"""`prep()`: list → plan → write the (missing) shards → `finalize()` once every shard is complete.
+
+Output directory:
+  _plan.json                      the plan (written first)
+  classes.json                    class names, index = position
+  <split>-NNNNNN.tar              samples <key>.cls / <key>.jpg|png|webp / <key>.json
+  <split>-NNNNNN_stats.json       count, bytes, rejects by reason, seconds (written last per shard)
+  rejects.jsonl, _info.json       written by finalize() when all shards are complete
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+from .images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageOptions
+from .plan import atomic_write, build_plan, load_plan, plan_id, write_or_check_plan
+from .shards import shard_done, stats_path, write_shards
+from .sources import list_source
+
+INFO_FILE = "_info.json"
+CLASSES_FILE = "classes.json"
+REJECTS_FILE = "rejects.jsonl"
+DEFAULT_MAX_SAMPLES_PER_SHARD = 5000
+
+
+def _json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def prep(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    seed: int = 0,
+    val_fraction: float = 0.0,
+    split_column: str | None = None,
+    path_column: str = "path",
+    label_column: str = "label",
+    classes: str | os.PathLike | list[str] | None = None,
+    shard_size_bytes: int | None = None,
+    max_samples_per_shard: int | None = DEFAULT_MAX_SAMPLES_PER_SHARD,
+    resize_shorter: int | None = None,
+    resize_longer: int | None = None,
+    quality: int = 90,
+    min_size: int = 16,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    keep_original: bool = True,
+    dedup: bool = False,
+    workers: int = 1,
+    shard_range: tuple[int, int] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Shard `source` (ImageFolder dir or CSV/JSONL/Parquet manifest) into WebDataset tars under `out`.
+
+    `shard_range=(start, stop)` writes only those planned shards (indices into the plan's shard list,
+    all splits in order), for SLURM array tasks; `(0, 0)` only writes the plan and reports
+    `shards_total`. Complete shards are skipped, so rerunning after a crash resumes.
+    Returns a summary dict (see the keys at the end).
+    """
+    t0 = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    opts = ImageOptions(resize_shorter, resize_longer, quality, min_size, max_pixels, max_bytes, keep_original)
+    if workers < 1:
+        raise ValueError(f"workers={workers}: must be >= 1")
+    src = list_source(source, classes, path_column, label_column, split_column)
+    kwargs = dict(seed=seed, val_fraction=val_fraction, max_samples_per_shard=max_samples_per_shard,
+                  shard_size_bytes=shard_size_bytes, image_options=opts.as_dict(), do_dedup=dedup)
+    if dedup and workers > 1:
+        with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
+            plan = build_plan(src, map_fn=lambda f, xs: ex.map(f, xs, chunksize=64), **kwargs)
+    else:
+        plan = build_plan(src, **kwargs)
+    pid = write_or_check_plan(out, plan)
+    atomic_write(out / CLASSES_FILE, _json_bytes(plan["classes"]))
+
+    shards = plan["shards"]
+    start, stop = shard_range if shard_range is not None else (0, len(shards))
+    if not 0 <= start <= stop <= len(shards):
+        raise ValueError(f"shard_range=({start}, {stop}): plan has {len(shards)} shards")
+    todo = [s for s in shards[start:stop] if not shard_done(out, s["name"], pid)]
+    written = write_shards(out, plan["root"], opts, todo, pid, workers, progress)
+    info = finalize(out)
+    seconds = time.perf_counter() - t0
+    n_written = sum(s["planned"] for s in written)
+    return {
+        "out": str(out),
+        "plan_id": pid,
+        "num_inputs": plan["num_inputs"],
+        "shards_total": len(shards),
+        "shards_written": len(written),
+        "shards_skipped": (stop - start) - len(todo),
+        "samples_written": sum(s["count"] for s in written),
+        "rejects_written": sum(len(s["rejected"]) for s in written),
+        "complete": info is not None,
+        "num_samples": {k: v["num_samples"] for k, v in info["splits"].items()} if info else None,
+        "num_rejects": info["num_rejects"] if info else None,
+        "rejects_by_reason": info["rejects_by_reason"] if info else None,
+        "seconds": round(seconds, 3),
+        "images_per_s": round(n_written / seconds, 2) if seconds > 0 else 0.0,
+    }
+
+
+def finalize(out: str | os.PathLike) -> dict | None:
+    """Write rejects.jsonl and _info.json if every planned shard is complete; else return None.
+
+    Safe to call from several SLURM tasks at once: all write the same bytes through atomic renames.
+    """
+    out = Path(out)
+    plan = load_plan(out)
+    pid = plan_id(plan)
+    stats = []
+    for sh in plan["shards"]:
+        if not shard_done(out, sh["name"], pid):
+            return None
+        stats.append(json.loads(stats_path(out, sh["name"]).read_text(encoding="utf-8")))
+    rejects = list(plan["rejects"]) + [r for st in stats for r in st["rejected"]]
+    by_reason: dict[str, int] = {}
+    for r in rejects:
+        by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
+    splits = {}
+    for name in plan["splits"]:
+        mine = [(sh, st) for sh, st in zip(plan["shards"], stats) if sh["split"] == name]
+        splits[name] = {
+            "name": name,
+            "num_samples": sum(st["count"] for _, st in mine),
+            "filenames": [f"{sh['name']}.tar" for sh, _ in mine],
+            "shard_lengths": [st["count"] for _, st in mine],
+        }
+    # Layout read by timm's WebDataset reader (splits → name/num_samples/filenames/shard_lengths);
+    # no timings here, so a rerun gives the same bytes.
+    info = {
+        "format_version": 1,
+        "plan_id": pid,
+        "num_classes": len(plan["classes"]),
+        "classes": plan["classes"],
+        "num_inputs": plan["num_inputs"],
+        "num_rejects": len(rejects),
+        "rejects_by_reason": dict(sorted(by_reason.items())),
+        "seed": plan["seed"],
+        "image_options": plan["image_options"],
+        "splits": splits,
+    }
+    lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
+    atomic_write(out / REJECTS_FILE, lines.encode("utf-8"))
+    atomic_write(out / INFO_FILE, _json_bytes(info))  # last: its presence means the dataset is complete
+    return info

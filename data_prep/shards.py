@@ -1,0 +1,172 @@
+"""Planned shards → tar files, in order, with N worker processes; atomic per shard, resumable.
+
+Stream shape: planned samples → chunks of CHUNK samples → worker processes (decode/resize/encode)
+→ results in plan order → the main process appends them to `<shard>.tar.partial` → rename to
+`<shard>.tar` → `<shard>_stats.json` last (its presence marks the shard complete).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import tarfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import get_context
+from pathlib import Path
+
+from .images import ImageOptions, Reject, init_worker, process_image
+from .plan import atomic_write
+from .progress import Progress
+
+CHUNK = 8  # samples per worker task: amortizes IPC without making the in-flight window large
+# Test hook only: "SHARD:K" makes the process that handles sample K of SHARD SIGKILL itself.
+KILL_ENV = "VITP_PREP_TEST_KILL_AT"
+_MTIME = 0  # fixed member metadata: same inputs → same tar bytes
+
+
+def stats_path(out: Path, name: str) -> Path:
+    return out / f"{name}_stats.json"
+
+
+def shard_done(out: Path, name: str, pid: str) -> bool:
+    """Complete = tar present and stats (written last) present and from the same plan."""
+    sp = stats_path(out, name)
+    if not (sp.exists() and (out / f"{name}.tar").exists()):
+        return False
+    try:
+        return json.loads(sp.read_text(encoding="utf-8")).get("plan_id") == pid
+    except (OSError, ValueError):
+        return False
+
+
+def _work(task: tuple) -> list[tuple]:
+    """Worker: a chunk of planned samples → results (ok or reject), same order."""
+    root, opts, shard, start, samples = task
+    kill = os.environ.get(KILL_ENV, "")
+    out = []
+    for i, (key, rel, cls, label) in enumerate(samples, start):
+        if kill == f"{shard}:{i}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            s = process_image(os.path.join(root, rel), opts)
+        except Reject as r:
+            out.append(("reject", rel, r.reason, r.detail))
+            continue
+        meta = {
+            "key": key, "source": rel, "label": label, "cls": cls, "format": s.ext,
+            "orig_width": s.orig_width, "orig_height": s.orig_height,
+            "width": s.width, "height": s.height, "sha256": s.sha256,
+        }
+        out.append(("ok", key, cls, s.ext, s.data, meta))
+    return out
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), _MTIME, 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    tar.addfile(info, io.BytesIO(data))
+
+
+class _ShardWriter:
+    def __init__(self, out: Path, shard: dict, pid: str):
+        self.out, self.name, self.pid = out, shard["name"], pid
+        self.planned = len(shard["samples"])
+        self.tmp = out / f"{self.name}.tar.partial"
+        self.tar = tarfile.open(self.tmp, "w", format=tarfile.USTAR_FORMAT)
+        self.count, self.rejects, self.t0 = 0, [], time.perf_counter()
+
+    def add(self, result: tuple) -> None:
+        if result[0] == "reject":
+            _, rel, reason, detail = result
+            self.rejects.append({"path": rel, "reason": reason, "detail": detail})
+            return
+        _, key, cls, ext, data, meta = result
+        # members of a sample sorted by extension: cls < jpg < json < png < webp
+        members = {"cls": str(cls).encode(), ext: data, "json": json.dumps(meta, sort_keys=True).encode()}
+        for e in sorted(members):
+            _add(self.tar, f"{key}.{e}", members[e])
+        self.count += 1
+
+    def finish(self) -> dict:
+        self.tar.close()
+        final = self.out / f"{self.name}.tar"
+        with open(self.tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, final)
+        by_reason: dict[str, int] = {}
+        for r in self.rejects:
+            by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
+        stats = {
+            "shard": f"{self.name}.tar", "plan_id": self.pid, "planned": self.planned, "count": self.count,
+            "bytes": final.stat().st_size, "rejects": dict(sorted(by_reason.items())), "rejected": self.rejects,
+            "seconds": round(time.perf_counter() - self.t0, 3),
+        }
+        atomic_write(stats_path(self.out, self.name), json.dumps(stats, indent=1, sort_keys=True).encode())
+        return stats
+
+
+def _tasks(root: str, opts: ImageOptions, shards: list[dict]) -> Iterator[tuple[int, tuple]]:
+    for si, sh in enumerate(shards):
+        s = sh["samples"]
+        for start in range(0, len(s), CHUNK):
+            yield si, (root, opts, sh["name"], start, s[start:start + CHUNK])
+
+
+def _results(root: str, opts: ImageOptions, shards: list[dict], workers: int) -> Iterator[tuple[int, list]]:
+    """(shard index, chunk results) in plan order; at most ~4 chunks per worker in flight (bounded memory)."""
+    if workers <= 1:
+        init_worker()
+        for si, task in _tasks(root, opts, shards):
+            yield si, _work(task)
+        return
+    # fork: workers start in milliseconds and inherit the imported codecs
+    with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=init_worker) as ex:
+        pending: deque = deque()
+        tasks = _tasks(root, opts, shards)
+        for si, task in tasks:
+            pending.append((si, ex.submit(_work, task)))
+            if len(pending) >= 4 * workers:
+                si0, fut = pending.popleft()
+                yield si0, fut.result()
+        while pending:
+            si0, fut = pending.popleft()
+            yield si0, fut.result()
+
+
+def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], pid: str, workers: int,
+                 progress: bool) -> list[dict]:
+    """Write the given planned shards (none of them complete yet); returns their stats."""
+    for sh in shards:  # leftovers of a killed run: never trusted, always redone
+        (out / f"{sh['name']}.tar.partial").unlink(missing_ok=True)
+    bar = Progress(sum(len(s["samples"]) for s in shards), enabled=progress)
+    done: list[dict] = []
+    writer: _ShardWriter | None = None
+    cur = -1
+    try:
+        for si, results in _results(root, opts, shards, workers):
+            if si != cur:
+                if writer is not None:
+                    done.append(writer.finish())
+                writer, cur = _ShardWriter(out, shards[si], pid), si
+            for r in results:
+                writer.add(r)
+            bar.update(len(results), sum(r[0] == "reject" for r in results))
+        if writer is not None:
+            done.append(writer.finish())
+    except BrokenProcessPool:
+        raise RuntimeError(
+            f"a worker process died (killed, or out of memory?) while writing "
+            f"{shards[max(cur, 0)]['name']}; "
+            "rerun the same command to resume"
+        ) from None
+    finally:
+        bar.close()
+    return done

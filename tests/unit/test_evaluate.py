@@ -1,0 +1,123 @@
+"""Evaluation counts against hand-computed numbers; artifacts; whole evaluations on synthetic data."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from pipeline.config import DataCfg, EvalCfg
+from pipeline.evaluate import classify, evaluate_model, extract_features, write_artifacts, write_results
+from pipeline.model import build_vit, save_safetensors
+from pipeline.transfer import TransferError, load_model
+
+
+class FixedLogits(torch.nn.Module):
+    """Returns the logits stored for each input id (x[:, 0, 0, 0] holds the id)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.tensor(logits, dtype=torch.float32)
+
+    def forward(self, x):
+        return self.logits[x[:, 0, 0, 0].long()]
+
+
+def _batches(ids, labels, bs):
+    x = torch.tensor(ids, dtype=torch.float32).view(-1, 1, 1, 1)
+    y = torch.tensor(labels)
+    return [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(ids), bs)]
+
+
+def test_classify_matches_hand_counts():
+    logits = [[2.0, 1.0, 0.0, -1.0, -2.0, -3.0],   # pred 0
+              [0.0, 3.0, 1.0, 0.5, 0.2, 0.1],      # pred 1
+              [1.0, 0.0, 0.5, 0.4, 0.3, 0.2],      # pred 0
+              [0.0, 0.0, 0.0, 0.0, 0.0, 9.0],      # pred 5
+              [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]]      # pred 5
+    labels = [0, 1, 2, 4, 0]
+    # top-5 of 6 classes misses exactly the lowest logit: sample 4 (label 0 has the lowest) is a miss
+    res = classify(FixedLogits(logits), _batches(range(5), labels, 2), 6)
+    assert res.n == 5
+    assert res.top1 == pytest.approx(2 / 5)  # s0 and s1
+    conf = torch.zeros(6, 6, dtype=torch.long)
+    for t, p in zip(labels, [0, 1, 0, 5, 5]):
+        conf[t, p] += 1
+    assert torch.equal(res.confusion, conf)
+    per = res.per_class
+    assert per[0] == 0.5 and per[1] == 1.0 and per[2] == 0.0 and per[3] is None and per[4] == 0.0
+    lg = torch.tensor(logits)
+    ce = torch.nn.functional.cross_entropy(lg, torch.tensor(labels))
+    assert res.loss == pytest.approx(ce.item(), rel=1e-6)
+    top5 = sum(int(t in lg[i].topk(5).indices.tolist()) for i, t in enumerate(labels))
+    assert res.top5 == pytest.approx(top5 / 5)
+    assert res.top5 < 1.0
+
+
+def test_classify_rejects_class_count_mismatch():
+    with pytest.raises(ValueError, match="model gives 2 logits but the dataset has 3 classes"):
+        classify(FixedLogits([[0.0, 1.0]]), _batches([0], [0], 1), 3)
+
+
+def test_artifacts_and_results_json(tmp_path):
+    res = classify(FixedLogits([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]), _batches([0, 1, 2], [0, 1, 1], 3), 2)
+    paths = write_artifacts(res, tmp_path, "val", ["cat", "dog"])
+    per = json.loads((tmp_path / "per_class_val.json").read_text())
+    assert per == [{"class": 0, "name": "cat", "accuracy": 1.0, "support": 1},
+                   {"class": 1, "name": "dog", "accuracy": 0.5, "support": 2}]
+    assert json.loads((tmp_path / "confusion_val.json").read_text()) == [[1, 0], [1, 1]]
+    png = tmp_path / "confusion_val.png"
+    assert png in paths and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    write_results({"a": 1}, tmp_path)
+    write_results({"b": 2.5}, tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text()) == {"a": 1, "b": 2.5}
+
+
+def _tiny(num_classes=10, img=16, **kw):
+    torch.manual_seed(0)
+    return build_vit(width=32, depth=1, heads=2, mlp_dim=64, patch=4, img_size=img, num_classes=num_classes, **kw)
+
+
+def test_evaluate_model_on_synthetic_counts_every_val_sample(tmp_path):
+    data = DataCfg(path="synthetic:classes=4,train=64,val=24")
+    model = _tiny(4)
+    res = evaluate_model(model, data, batch=10, fewshot_cfg=EvalCfg(fewshot_shots=[1, 5], fewshot_seeds=2),
+                         linear_probe=True, out_dir=tmp_path)
+    assert res["val/n"] == 24
+    assert 0.0 <= res["val/top1"] <= res["val/top5"] <= 1.0
+    assert res["val/loss"] == pytest.approx(math.log(4), rel=1e-6)  # zero head: uniform logits
+    for k in ("fewshot/1shot", "fewshot/5shot", "fewshot/5shot_std", "linear_probe/top1"):
+        assert 0.0 <= res[k] <= 1.0
+    # the synthetic classes are distinct colour templates: a linear read-out of random features finds them
+    assert res["linear_probe/top1"] > 0.5
+    assert (tmp_path / "confusion_val.png").is_file()
+
+
+def test_evaluate_model_head_mismatch_is_clear():
+    with pytest.raises(ValueError, match="the dataset has 4 classes but the model's head has 10"):
+        evaluate_model(_tiny(10), DataCfg(path="synthetic:classes=4,train=8,val=8"))
+
+
+def test_extract_features_width_and_cap():
+    model = _tiny(3, representation_size=24)
+    x = torch.randint(0, 255, (10, 3, 16, 16), dtype=torch.uint8)
+    batches = [(x[:4], torch.zeros(4)), (x[4:], torch.ones(6))]
+    f, y = extract_features(model, batches, prepare=lambda t: t.float() / 127.5 - 1, max_images=7)
+    assert f.shape == (7, 24) and y.tolist() == [0] * 4 + [1] * 3
+
+
+def test_load_model_roundtrip_and_errors(tmp_path):
+    model = _tiny(5)
+    torch.nn.init.normal_(model.head.weight)
+    path = save_safetensors(model, tmp_path / "m.safetensors")
+    back = load_model(path)
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.allclose(back(x), model.eval()(x), atol=1e-6)
+    big = load_model(path, img_size=32)  # pos-emb resampled to the 8x8 grid
+    assert big.pos_embed.shape == (1, 65, 32)
+    with pytest.raises(TransferError, match="no such checkpoint"):
+        load_model(tmp_path / "nope.safetensors")
+    plain = tmp_path / "plain.pth"
+    torch.save(model.state_dict(), plain)
+    with pytest.raises(TransferError, match="pass --model"):
+        load_model(plain)

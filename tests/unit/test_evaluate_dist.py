@@ -1,0 +1,44 @@
+"""Two gloo ranks score each val sample exactly once: the counts equal a single process's."""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeline.config import DataCfg
+from pipeline.evaluate import evaluate_model
+from pipeline.model import build_vit
+
+DATA = "synthetic:classes=3,train=30,val=21"  # 21 = an uneven split over 2 ranks
+
+
+def _model():
+    torch.manual_seed(0)
+    m = build_vit(width=16, depth=1, heads=2, mlp_dim=32, patch=4, img_size=8, num_classes=3)
+    torch.nn.init.normal_(m.head.weight)  # a non-trivial head so predictions differ per sample
+    return m
+
+
+def _worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    res = evaluate_model(_model(), DataCfg(path=DATA), batch=4, fewshot_cfg=None, linear_probe=True)
+    if rank == 0:
+        torch.save({k: v for k, v in res.items() if isinstance(v, float)}, out)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_equal_one(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "r.pt"
+    mp.start_processes(_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
+    two = torch.load(out, weights_only=True)
+    one = evaluate_model(_model(), DataCfg(path=DATA), batch=4, linear_probe=True)
+    assert two["val/n"] == 21
+    for k in ("val/top1", "val/top5", "val/loss", "linear_probe/top1"):
+        assert abs(two[k] - one[k]) < 1e-6, k

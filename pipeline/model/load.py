@@ -135,7 +135,9 @@ def _read_torch(path: Path) -> Mapping[str, Any]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        # torch's message is a page long; the line naming the refused global is the useful one
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        first = next((ln for ln in lines if "Unsupported" in ln), lines[0]).split(". Please")[0]
         raise ValueError(f"{path}: refused to load: not a plain tensor state dict, and unpickling "
                          f"it could run code ({first})") from None
     if not isinstance(obj, Mapping):

@@ -6,11 +6,11 @@ from __future__ import annotations
 def __getattr__(name: str):
     # lazy: `import data_prep` (e.g. by the CLI) must not pay for cv2/PIL/numpy until they are used
     if name in ("prep", "finalize"):
-        from . import prep as _prep
+        from . import build as _build
 
-        return getattr(_prep, name)
+        return getattr(_build, name)
     if name == "verify":
-        from .verify import verify
+        from .checks import verify
 
         return verify
     raise AttributeError(name)

@@ -75,7 +75,7 @@ def _prep_parser() -> argparse.ArgumentParser:
 
 def prep_main(argv: list[str]) -> int:
     args = _prep_parser().parse_args(argv)
-    from .prep import DEFAULT_MAX_SAMPLES_PER_SHARD, prep  # after parsing: `--help` stays instant
+    from .build import DEFAULT_MAX_SAMPLES_PER_SHARD, prep  # after parsing: `--help` stays instant
 
     max_samples = args.max_samples_per_shard
     if max_samples is None and args.shard_size is None:
@@ -102,7 +102,7 @@ def verify_main(argv: list[str]) -> int:
     p.add_argument("out", help="directory written by vitp prep")
     p.add_argument("--workers", type=int, default=1, help="processes reading shards (default 1)")
     args = p.parse_args(argv)
-    from .verify import verify
+    from .checks import verify
 
     problems = verify(args.out, workers=args.workers)
     for line in problems:

@@ -113,32 +113,33 @@ class _ShardWriter:
         return stats
 
 
-def _tasks(root: str, opts: ImageOptions, shards: list[dict]) -> Iterator[tuple[int, tuple]]:
+def _tasks(root: str, opts: ImageOptions, shards: list[dict]) -> Iterator[tuple[int, bool, tuple]]:
+    """(shard index, is the shard's last chunk, worker task)."""
     for si, sh in enumerate(shards):
         s = sh["samples"]
         for start in range(0, len(s), CHUNK):
-            yield si, (root, opts, sh["name"], start, s[start:start + CHUNK])
+            yield si, start + CHUNK >= len(s), (root, opts, sh["name"], start, s[start:start + CHUNK])
 
 
-def _results(root: str, opts: ImageOptions, shards: list[dict], workers: int) -> Iterator[tuple[int, list]]:
-    """(shard index, chunk results) in plan order; at most ~4 chunks per worker in flight (bounded memory)."""
+def _results(root: str, opts: ImageOptions, shards: list[dict], workers: int) -> Iterator[tuple[int, bool, list]]:
+    """(shard index, last chunk?, chunk results) in plan order; <= 4 chunks per worker in flight (bounded memory)."""
     if workers <= 1:
         init_worker()
-        for si, task in _tasks(root, opts, shards):
-            yield si, _work(task)
+        for si, last, task in _tasks(root, opts, shards):
+            yield si, last, _work(task)
         return
     # fork: workers start in milliseconds and inherit the imported codecs
     with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=init_worker) as ex:
         pending: deque = deque()
         tasks = _tasks(root, opts, shards)
-        for si, task in tasks:
-            pending.append((si, ex.submit(_work, task)))
+        for si, last, task in tasks:
+            pending.append((si, last, ex.submit(_work, task)))
             if len(pending) >= 4 * workers:
-                si0, fut = pending.popleft()
-                yield si0, fut.result()
+                si0, last0, fut = pending.popleft()
+                yield si0, last0, fut.result()
         while pending:
-            si0, fut = pending.popleft()
-            yield si0, fut.result()
+            si0, last0, fut = pending.popleft()
+            yield si0, last0, fut.result()
 
 
 def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], pid: str, workers: int,
@@ -151,16 +152,15 @@ def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], p
     writer: _ShardWriter | None = None
     cur = -1
     try:
-        for si, results in _results(root, opts, shards, workers):
-            if si != cur:
-                if writer is not None:
-                    done.append(writer.finish())
+        for si, last, results in _results(root, opts, shards, workers):
+            if writer is None:
                 writer, cur = _ShardWriter(out, shards[si], pid), si
             for r in results:
                 writer.add(r)
             bar.update(len(results), sum(r[0] == "reject" for r in results))
-        if writer is not None:
-            done.append(writer.finish())
+            if last:  # finish now, not when the next shard's first chunk arrives: a crash there keeps this one
+                done.append(writer.finish())
+                writer = None
     except BrokenProcessPool:
         raise RuntimeError(
             f"a worker process died (killed, or out of memory?) while writing "

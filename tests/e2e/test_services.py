@@ -1,0 +1,59 @@
+"""The local SLURM cluster is real: a submitit job spans both slurmd nodes, one task on each."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.services import slurm_cluster  # noqa: F401  (fixture)
+
+submitit = pytest.importorskip("submitit")
+
+
+def _poll_done(job, timeout_s: float) -> None:
+    # Polls the result file (no accounting DB, so submitit cannot ask sacct); bounded so a stuck job fails.
+    deadline = time.monotonic() + timeout_s
+    while not job.done():
+        if time.monotonic() > deadline:
+            pytest.fail(f"job {job.job_id} not done after {timeout_s}s; stderr:\n{job.stderr()}")
+        time.sleep(0.5)
+
+
+@pytest.mark.slurm
+def test_two_node_job_gets_one_rank_per_node(slurm_cluster, tmp_path):  # noqa: F811
+    def whereami():
+        import os
+
+        import submitit
+
+        env = submitit.JobEnvironment()
+        return {
+            "rank": env.global_rank,
+            "local_rank": env.local_rank,
+            "world": env.num_tasks,
+            "node": env.hostnames[env.node],
+            "slurmd": os.environ["SLURMD_NODENAME"],
+            "job_id": env.job_id,
+        }
+
+    executor = submitit.AutoExecutor(folder=tmp_path / "jobs", cluster="slurm")
+    executor.update_parameters(
+        nodes=2,
+        tasks_per_node=1,
+        cpus_per_task=2,
+        timeout_min=5,
+        slurm_partition=slurm_cluster.partition,
+        name="vitp-services-test",
+    )
+    job = executor.submit(whereami)
+    _poll_done(job, timeout_s=120)
+    results = sorted(job.results(), key=lambda r: r["rank"])
+
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [r["local_rank"] for r in results] == [0, 0]
+    assert [r["world"] for r in results] == [2, 2]
+    assert {r["node"] for r in results} == set(slurm_cluster.nodes)
+    # submitit's view of the node agrees with slurmd's own name for it.
+    assert [r["node"] for r in results] == [r["slurmd"] for r in results]
+    assert {r["job_id"] for r in results} == {str(job.job_id)}

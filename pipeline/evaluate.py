@@ -253,9 +253,12 @@ def eval_batches(data_cfg, split: str, *, img_size: int, batch: int, rank: int =
     return mod.EvalLoader(data_cfg, img_size=img_size, batch=batch, rank=rank, world_size=world_size, split=split)
 
 
-def dataset_info(data_cfg) -> dict:
-    """{'num_classes', 'classes', 'splits': {name: count}} of a prep output (or synthetic spec)."""
-    return _data_module(data_cfg.path).read_info(data_cfg.path)
+def dataset_info(data_cfg) -> tuple[int, list[str]]:
+    """(num_classes, class names) of a prep output (pipeline.data.Info) or a synthetic spec (dict)."""
+    info = _data_module(data_cfg.path).read_info(data_cfg.path)
+    get = info.get if isinstance(info, dict) else lambda k: getattr(info, k, None)
+    names = list(get("classes") or [])
+    return int(get("num_classes") or len(names)), names
 
 
 def evaluate_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batch: int = 64,
@@ -271,8 +274,7 @@ def evaluate_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batc
     written by rank 0 into `out_dir`. Collective when distributed: every rank must call it.
     """
     rank, world = _world()
-    info = dataset_info(data_cfg)
-    k, names = int(info["num_classes"]), list(info.get("classes") or [])
+    k, names = dataset_info(data_cfg)
     img = model.img_size[0] if isinstance(model.img_size, tuple) else int(model.img_size)
     prepare = _data_module(data_cfg.path).normalize
     load = lambda s: eval_batches(data_cfg, s, img_size=img, batch=batch, rank=rank, world_size=world)  # noqa: E731

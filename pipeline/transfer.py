@@ -13,9 +13,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
+
+import torch
 
 from pipeline.model import ViT, build_vit, load_pretrained, load_state_dict_into, reset_head
 
@@ -61,7 +64,10 @@ def read_source(path: str | Path) -> tuple[dict | None, dict | None]:
     if p.is_dir():
         from pipeline.checkpoint import load_checkpoint_weights
 
-        sd, mcfg = load_checkpoint_weights(p)
+        try:
+            sd, mcfg = load_checkpoint_weights(p)
+        except FileNotFoundError as e:
+            raise TransferError(f"init.from: {e}") from None
         return dict(sd), dict(mcfg) if mcfg else None
     return None, _file_config(p)
 
@@ -192,3 +198,137 @@ def param_groups_layer_decay(model: ViT, lr_decay: float | None, weight_decay: f
                                       "lr_scale": lr_decay ** (depth + 1 - layer)})
         g["params"].append(p)
     return [groups[k] for k in sorted(groups)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------------------
+def source_lineage(path: str | Path) -> dict:
+    """{'parent_run_id', 'parent_step', 'parent_checkpoint'} when the source is one of our run dirs."""
+    from pipeline import checkpoint as ckpt_lib
+
+    p = Path(path)
+    if not p.is_dir():
+        return {"parent_checkpoint": str(p)}
+    ck = p if (p / ckpt_lib.MANIFEST).is_file() else ckpt_lib.latest_checkpoint(p)
+    if ck is None:
+        return {"parent_checkpoint": str(p)}
+    man = ckpt_lib.read_manifest(ck)
+    out = {"parent_checkpoint": str(ck), "parent_step": man.get("step")}
+    if man.get("mlflow_run_id"):
+        out["parent_run_id"] = man["mlflow_run_id"]
+    return out
+
+
+@contextlib.contextmanager
+def _injected(model, groups):
+    """Run pretrain()'s loop on our model and param groups.
+
+    Until pretrain() takes `build_model`/`param_groups` arguments, swap the two factories it calls
+    (pipeline.model.build_vit, pipeline.engine.default_param_groups) for the duration of the call.
+    """
+    import pipeline.engine as eng
+    import pipeline.model as pm
+
+    saved = pm.build_vit, eng.default_param_groups
+    pm.build_vit = lambda *a, **k: model
+    eng.default_param_groups = lambda *a, **k: groups
+    try:
+        yield
+    finally:
+        pm.build_vit, eng.default_param_groups = saved
+
+
+def transfer(cfg):
+    """Fine-tune from cfg.init.from; returns pretrain's Result (final metrics also in RUN_DIR/results.json)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    from launch.distributed import dist_env, export_env, rank0_print
+    from pipeline import engine as eng_lib
+    from pipeline import pretrain as pt
+    from pipeline.evaluate import evaluate_model, write_results
+    from pipeline.tracking import start_tracking
+
+    d = dist_env()
+    export_env(d)
+    eng_lib.init_distributed(cfg)
+    data = pt.data_module(cfg)
+    k = pt.num_classes_of(cfg, data)
+    torch.manual_seed(cfg.seed)  # every rank builds the same model
+    model, report = build_transfer_model(cfg, k)
+    if report.resampled_posemb:
+        (a, b) = report.resampled_posemb
+        rank0_print(f"transfer: pos-emb resampled {a[0]}x{a[1]} -> {b[0]}x{b[1]} ({cfg.init.posemb_mode}); "
+                    f"new zero head for {k} classes")
+    groups = param_groups_layer_decay(model, cfg.optim.layer_decay, cfg.optim.weight_decay)
+    params = inspect.signature(pt.pretrain).parameters
+    if "build_model" in params:  # the loop's own hooks, once it has them
+        result = pt.pretrain(cfg, build_model=lambda *a: model, param_groups=groups, stage="transfer")
+    else:
+        with _injected(model, groups):
+            result = pt.pretrain(cfg)
+    if result.status != "completed":
+        return result
+
+    # final evaluation of the published weights: top-1/top-5, per-class, confusion matrix
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    final = load_model(Path(cfg.run.dir) / "model.safetensors").to(device)
+    res = evaluate_model(final, cfg.data, split=cfg.data.val_split or "val", batch=cfg.eval.batch,
+                         device=device, linear_probe=cfg.eval.linear_probe, out_dir=cfg.run.dir)
+    lineage = source_lineage(cfg.init.from_)
+    if rank == 0:
+        metrics = {k_: v for k_, v in res.items() if isinstance(v, float)}
+        doc = {**metrics, "step": result.step, "num_classes": k, "img_size": cfg.model.img_size,
+               "posemb_resampled": [list(g) for g in report.resampled_posemb] if report.resampled_posemb else None,
+               "source": str(cfg.init.from_), **lineage, "mlflow_run_id": result.mlflow_run_id}
+        path = write_results(doc, cfg.run.dir)
+        tracker = start_tracking(cfg, cfg.run.dir, rank=rank, world_size=world, stage="transfer",
+                                 run_id=result.mlflow_run_id)
+        tracker.set_tags({"stage": "transfer", **{f"vitp.{k_}": v for k_, v in lineage.items()},
+                          **({"mlflow.parentRunId": lineage["parent_run_id"]} if "parent_run_id" in lineage else {})})
+        tracker.log_metrics({f"final/{k_}": v for k_, v in metrics.items()}, result.step)
+        for a in [path, *res.get("artifacts", [])]:
+            tracker.log_artifact(a)
+        example = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size).numpy()
+        tracker.log_model_pytorch(final.cpu().eval(), input_example=example,
+                                  registered_name=cfg.tracking.register_name)
+        tracker.close(timeout=60.0)
+        split = cfg.data.val_split or "val"
+        rank0_print(f"transfer: val top1 {res[split + '/top1']:.4f}  top5 {res[split + '/top5']:.4f}  -> {path}")
+        result.val_top1 = res[split + "/top1"]
+    dist.barrier()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    import sys
+
+    import torch.distributed as dist
+
+    from launch.cli import add_config_args, load_config_or_exit, parser_for
+    from launch.distributed import dist_env, rank0_print
+    from pipeline.config import ConfigError
+
+    p = parser_for("transfer", "Fine-tune a pre-trained ViT at a (higher) resolution on a downstream dataset: "
+                               "init.from is a run dir, checkpoint folder, safetensors, timm .pth or JAX .npz.")
+    add_config_args(p)
+    args = p.parse_args(argv)
+    cfg = load_config_or_exit(args, world_size=dist_env().world_size)
+    from pipeline.pretrain import NonFiniteLoss, RunDirError
+
+    try:
+        result = transfer(cfg)
+    except (TransferError, RunDirError, ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    rank0_print(f"transfer {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
+    return 0

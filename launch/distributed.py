@@ -84,3 +84,68 @@ def rank0_print(*args, file=None, **kwargs) -> None:
     """Print only on global rank 0 (the one helper for rank-0 console output)."""
     if dist_env().is_rank0:
         print(*args, file=file or sys.stdout, flush=True, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rendezvous: fail fast and say why, instead of hanging until the scheduler's time limit.
+# --------------------------------------------------------------------------------------------------
+class RendezvousError(RuntimeError):
+    """The ranks could not meet (port taken, a rank never arrived); the message is one line."""
+
+
+def rendezvous_port(job_id: str, restart: int = 0) -> int:
+    """A port every task of a job derives alone; a requeued job (restart > 0) gets a fresh one,
+    so a socket of the previous attempt lingering in TIME_WAIT cannot clash."""
+    digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
+    return 20000 + (int(digits) * 7 + restart) % 20000
+
+
+def port_free(port: int, host: str = "") -> bool:
+    """True when ``port`` can be bound here (SO_REUSEADDR, like torch's TCPStore server)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def default_backend(backend: str = "auto") -> str:
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300) -> bool:
+    """Join the process group described by ``d`` within ``timeout_s`` or raise RendezvousError.
+
+    Done before DeepSpeed starts (DeepSpeed then reuses the group). Returns False when there is
+    nothing to join (one rank, or a group already exists).
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    if d.world_size <= 1 or dist.is_initialized():
+        return False
+    where = f"{d.master_addr}:{d.master_port}"
+    if d.is_rank0 and not port_free(d.master_port):
+        raise RendezvousError(
+            f"rendezvous port {d.master_port} on {d.master_addr} is already in use; "
+            f"set MASTER_PORT to a free port or resubmit")
+    try:
+        dist.init_process_group(
+            default_backend(backend), init_method=f"tcp://{where}", rank=d.rank,
+            world_size=d.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # torch raises DistStoreError/DistNetworkError/RuntimeError
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        who = "waiting for the other ranks" if d.is_rank0 else f"connecting to rank 0 at {where}"
+        raise RendezvousError(
+            f"rank {d.rank}/{d.world_size}: rendezvous at {where} failed after {timeout_s:g}s "
+            f"{who} ({first}); engine.dist_timeout_s sets the limit") from None
+    return True

@@ -1,0 +1,235 @@
+"""The submission index and the operator commands: `vitp jobs`, `vitp logs`, `vitp cancel`.
+
+Every submission appends one line to ``<cluster.log_dir>/index.jsonl`` (job id, stage, folder,
+executor, run dir, sweep id). A job's state comes from SLURM (squeue keeps finished jobs for
+MinJobAge; sacct when accounting exists); submitit's own watcher needs sacct, which small clusters
+often lack. The job's result.json (written by rank 0, see launch/preempt.py) says how it ended.
+Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_LOG_DIR = "runs/jobs"
+INDEX = "index.jsonl"
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE", "PREEMPTED", "SPECIAL_EXIT", "REVOKED"}
+
+
+def append_index(log_dir: str | os.PathLike, entry: dict) -> None:
+    d = Path(log_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / INDEX, "a") as f:  # one short line per write: appends do not interleave
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def read_index(log_dir: str | os.PathLike) -> list[dict]:
+    p = Path(log_dir) / INDEX
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash; the others still count
+    return out
+
+
+def find_job(job_id: str, log_dir: str | os.PathLike) -> dict:
+    for e in reversed(read_index(log_dir)):
+        if e["job_id"] == job_id:
+            return e
+    folder = Path(log_dir) / job_id
+    if folder.is_dir():
+        return {"job_id": job_id, "folder": str(folder), "executor": "slurm"}
+    raise SystemExit(f"error: job {job_id}: not in {Path(log_dir) / INDEX} (use --log-dir)")
+
+
+# --------------------------------------------------------------------------------------------------
+# State
+# --------------------------------------------------------------------------------------------------
+def _run(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def slurm_states(job_ids: list[str]) -> dict[str, str]:
+    """SLURM state per job id ("123" or array task "123_4"); ids SLURM no longer knows are left out."""
+    want = set(job_ids)
+    states: dict[str, str] = {}
+    out = _run(["squeue", "-h", "-r", "-t", "all", "-o", "%i|%T"]) or ""
+    for line in out.splitlines():
+        jid, _, state = line.strip().partition("|")
+        if jid in want:
+            states[jid] = state.upper()
+    missing = sorted(want - set(states))
+    if missing:
+        out = _run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", *[f"-j{j}" for j in missing]]) or ""
+        for line in out.splitlines():
+            jid, _, state = line.strip().partition("|")
+            if jid in want and state:
+                states[jid] = state.split()[0].upper()  # "CANCELLED by 0" → CANCELLED
+    return states
+
+
+def read_result(folder: str | os.PathLike) -> dict | None:
+    p = Path(folder) / "result.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _pid_alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def job_state(entry: dict, slurm: dict[str, str] | None = None) -> str:
+    """SLURM's state, or for local jobs (pid ids) RUNNING / COMPLETED / FAILED from result.json."""
+    jid = entry["job_id"]
+    if entry.get("executor", "slurm") == "slurm":
+        states = slurm if slurm is not None else slurm_states([jid])
+        if jid in states:
+            return states[jid]
+    res = read_result(entry.get("folder", ""))
+    if entry.get("executor") == "local" and _pid_alive(jid) and res is None:
+        return "RUNNING"
+    if res is None:
+        return "UNKNOWN"
+    return "COMPLETED" if res.get("status") == "completed" else "FAILED"
+
+
+def wait(entries: list[dict], poll_s: float = 2.0, timeout_s: float | None = None) -> dict[str, str]:
+    """Block until every job is in a terminal state (bounded polling of squeue/sacct)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        slurm = slurm_states([e["job_id"] for e in entries if e.get("executor", "slurm") == "slurm"])
+        states = {e["job_id"]: job_state(e, slurm) for e in entries}
+        # UNKNOWN + a result: a job SLURM has forgotten; UNKNOWN without one may not be listed yet.
+        if all(s in TERMINAL or (s == "UNKNOWN" and read_result(e["folder"])) for e, s in
+               zip(entries, states.values())):
+            return states
+        if deadline is not None and time.monotonic() > deadline:
+            return states
+        time.sleep(poll_s)
+
+
+def outcome(entry: dict, state: str) -> tuple[bool, str]:
+    """(ok, one line) for a finished job: ok only when SLURM says COMPLETED and the stage completed."""
+    res = read_result(entry["folder"]) or {}
+    status = res.get("status")
+    ok = state in ("COMPLETED", "UNKNOWN") and status == "completed"
+    detail = f"status={status}" + (f" step={res['step']}" if "step" in res else "")
+    if res.get("stop_reason"):
+        detail += f" stop_reason={res['stop_reason']}"
+    return bool(ok), f"job {entry['job_id']} {state} {detail} (logs: vitp logs {entry['job_id']})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------------
+def jobs_main(argv: list[str]) -> int:
+    from .cli import parser_for
+
+    p = parser_for("jobs", "List submitted jobs (newest last) with their state.")
+    p.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help="cluster.log_dir of the submissions")
+    p.add_argument("-n", "--last", type=int, default=20, help="show the last N submissions")
+    args = p.parse_args(argv)
+    entries = read_index(args.log_dir)[-args.last:]
+    if not entries:
+        print(f"no jobs in {Path(args.log_dir) / INDEX}")
+        return 0
+    slurm = slurm_states([e["job_id"] for e in entries if e.get("executor", "slurm") == "slurm"])
+    print(f"{'JOB':<12} {'STAGE':<9} {'STATE':<11} {'SUBMITTED':<19} {'TASKS':>5}  RUN_DIR")
+    for e in entries:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.get("time", 0)))
+        print(f"{e['job_id']:<12} {e.get('stage', '?'):<9} {job_state(e, slurm):<11} {when:<19} "
+              f"{e.get('tasks', 1):>5}  {e.get('run_dir', '')}")
+    return 0
+
+
+def _log_path(entry: dict, rank: int, stream: str) -> Path:
+    return Path(entry["folder"]) / f"{entry['job_id']}_{rank}_log.{stream}"
+
+
+def logs_main(argv: list[str]) -> int:
+    from .cli import parser_for
+
+    p = parser_for("logs", "Print a job's log (stdout, then stderr) for one rank.")
+    p.add_argument("job", help="job id as printed by `vitp submit` (array task: 123_4)")
+    p.add_argument("--rank", type=int, default=0, help="global rank (task) whose log to show")
+    p.add_argument("--stream", choices=["out", "err", "both"], default="both")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+    p.add_argument("--log-dir", default=DEFAULT_LOG_DIR)
+    args = p.parse_args(argv)
+    entry = find_job(args.job, args.log_dir)
+    streams = ["out", "err"] if args.stream == "both" else [args.stream]
+    paths = [_log_path(entry, args.rank, s) for s in streams]
+    if not args.follow:
+        found = False
+        for path in paths:
+            if path.is_file():
+                found = True
+                print(f"==> {path} <==") if len(paths) > 1 else None
+                sys.stdout.write(path.read_text(errors="replace"))
+        if not found:
+            print(f"error: no log yet for job {args.job} rank {args.rank} ({paths[0]})", file=sys.stderr)
+            return 1
+        return 0
+    offsets = {p: 0 for p in paths}
+    while True:
+        done = job_state(entry) in TERMINAL
+        for path in paths:
+            if path.is_file():
+                with open(path, errors="replace") as f:
+                    f.seek(offsets[path])
+                    chunk = f.read()
+                    offsets[path] = f.tell()
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        if done:
+            return 0
+        time.sleep(1.0)
+
+
+def cancel_main(argv: list[str]) -> int:
+    from .cli import parser_for
+
+    p = parser_for("cancel", "Cancel a job: every rank gets SIGTERM, saves a checkpoint if it can "
+                             "and exits without requeue.")
+    p.add_argument("job", nargs="+", help="job id(s)")
+    p.add_argument("--log-dir", default=DEFAULT_LOG_DIR)
+    args = p.parse_args(argv)
+    rc = 0
+    for jid in args.job:
+        entry = find_job(jid, args.log_dir)
+        if entry.get("executor") == "local":
+            try:
+                os.kill(int(jid), 15)
+            except (ValueError, OSError) as e:
+                print(f"error: cancel {jid}: {e}", file=sys.stderr)
+                rc = 1
+            continue
+        r = subprocess.run(["scancel", jid], capture_output=True, text=True)
+        if r.returncode:
+            print(f"error: scancel {jid}: {r.stderr.strip()}", file=sys.stderr)
+            rc = 1
+        else:
+            print(f"cancelled {jid}")
+    return rc

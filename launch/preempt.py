@@ -1,0 +1,225 @@
+"""What runs inside a submitted job, on every task: the pickled :class:`StageJob`.
+
+submitit starts one Python process per task (``srun``), unpickles the callable and calls it. The
+callable then
+
+1. reads rank/world/master from submitit's ``JobEnvironment`` and exports RANK, WORLD_SIZE,
+   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, then joins the process group with a
+   timeout (before DeepSpeed starts, so DeepSpeed reuses it; no ssh, no hostfile);
+2. replaces submitit's signal handlers on every rank: SIGUSR2 (time limit near, preemption) and
+   SIGTERM (``scancel``) only ask the stage to stop at the next step boundary
+   (:func:`pipeline.stopping.request_stop`). submitit's own handler checkpoints from rank 0 alone,
+   but DeepSpeed's save is collective and would hang;
+3. runs the stage; when it comes back "stopped" for a requeue, every rank has saved, so rank 0
+   runs ``scontrol requeue`` and all ranks exit without a result pickle (submitit's ``done()`` and
+   ``vitp submit --wait`` then keep waiting for the requeued run).
+
+Files in the job folder (cfg.cluster.log_dir/JOBID): config.yaml (resolved), result.json (the final
+outcome, rank 0), events.jsonl (one line per requeue), submitit's logs and pickles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline import stopping
+
+from .distributed import DistEnv, export_env, init_process_group, rendezvous_port
+
+# Stages whose loop polls pipeline.stopping every step and saves collectively when asked.
+COOPERATIVE = {"pretrain", "transfer"}
+STAGE_TARGETS = {
+    "pretrain": "pipeline.pretrain:pretrain",
+    "transfer": "pipeline.transfer:transfer",
+    "eval": "pipeline.evaluate:evaluate",
+    "prep": "launch.preempt:run_prep",
+}
+
+
+class RequeueLimitError(RuntimeError):
+    """Stopped for a requeue, but cluster.max_requeues is used up."""
+
+
+def job_dist_env(job_env, environ=None) -> DistEnv:
+    """Rank/world/master from a submitit JobEnvironment (slurm, local or debug)."""
+    env = os.environ if environ is None else environ
+    world = int(job_env.num_tasks)
+    nodes = max(1, int(job_env.num_nodes))
+    hosts = list(job_env.hostnames) if job_env.cluster == "slurm" else ["127.0.0.1"]
+    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    port = int(env.get("MASTER_PORT") or rendezvous_port(str(job_env.job_id), restart))
+    return DistEnv(rank=int(job_env.global_rank), world_size=world, local_rank=int(job_env.local_rank),
+                   local_world_size=max(1, world // nodes), master_addr=env.get("MASTER_ADDR") or hosts[0],
+                   master_port=port, source=job_env.cluster)
+
+
+def _on_usr2(signum, frame) -> None:
+    # A requeue beats a cancel: on a time limit SLURM sends USR2 first and TERM at the end, and on
+    # preemption TERM may come first; either way the run must come back.
+    stopping.clear()
+    stopping.request_stop("requeue")
+
+
+def _on_term(signum, frame) -> None:
+    stopping.request_stop("cancel")
+
+
+def install_stop_handlers() -> None:
+    """Every rank: the signals only set the stop flag (all a handler may safely do)."""
+    signal.signal(signal.SIGUSR2, _on_usr2)
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGCONT, signal.SIG_IGN)  # SLURM sends CONT with TERM; nothing to do
+
+
+def _requeue_now_handler(job_id: str, rank: int, max_requeues: int):
+    """For stages that do not poll (prep resumes per shard, eval restarts): requeue at once."""
+
+    def handler(signum, frame):
+        if rank == 0 and _restarts() < max_requeues:
+            _scontrol_requeue(job_id)
+        raise SystemExit(0)
+
+    return handler
+
+
+def _restarts() -> int:
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
+def _scontrol_requeue(job_id: str) -> None:
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+    print(f"Requeued job {job_id} (restart {_restarts() + 1})", file=sys.stderr, flush=True)
+
+
+def _file_barrier(folder: Path, tag: str, d: DistEnv, timeout_s: float) -> None:
+    """All ranks reached this point (files in the shared job folder; the process group may be gone)."""
+    bdir = folder / f".barrier-{tag}"
+    bdir.mkdir(parents=True, exist_ok=True)
+    (bdir / str(d.rank)).touch()
+    if not d.is_rank0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while len(list(bdir.iterdir())) < d.world_size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"requeue: only {len(list(bdir.iterdir()))}/{d.world_size} ranks "
+                               f"finished saving within {timeout_s:g}s; not requeuing")
+        time.sleep(0.2)
+
+
+def _plain(result) -> dict:
+    """A stage's Result → a JSON-able dict (status, step, run_dir, mlflow_run_id, ...)."""
+    if dataclasses.is_dataclass(result):
+        raw = dataclasses.asdict(result)
+    elif isinstance(result, dict):
+        raw = dict(result)
+    else:
+        raw = {k: getattr(result, k) for k in ("status", "step", "run_dir", "mlflow_run_id", "stop_reason")
+               if hasattr(result, k)}
+    return {k: v for k, v in raw.items() if isinstance(v, (str, int, float, bool, type(None), list, dict))}
+
+
+def _append_event(folder: Path, event: dict) -> None:
+    with open(folder / "events.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def _write_result(folder: Path, summary: dict) -> None:
+    tmp = folder / ".result.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, folder / "result.json")
+
+
+def resolve_target(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def run_prep(cfg, *, source: str, out: str, shard_ranges: list, prep_kwargs: dict, task: int = 0) -> dict:
+    """One array task of `vitp submit prep`: its range of the plan's shards; the last one to finish
+    writes _info.json (prep() finalizes when every shard is complete)."""
+    from data_prep.prep import prep
+
+    a, b = shard_ranges[task]
+    summary = prep(source, out, shard_range=(a, b), progress=False, **prep_kwargs)
+    return {"status": "completed", "task": task, "shard_range": [a, b],
+            **{k: v for k, v in summary.items() if k in ("shards_written", "shards_skipped", "complete")}}
+
+
+@dataclasses.dataclass
+class StageJob:
+    """The callable submitit pickles: ``stage`` run with the resolved config (a plain dict).
+
+    ``env``: extra environment for the task (e.g. VITP_MLFLOW_TAGS for a sweep's shared tag).
+    ``kwargs``: extra keyword arguments for the target (prep's source/out/ranges).
+    ``target``: "module:function" overriding the stage's default (tests use a stub stage).
+    """
+
+    stage: str
+    cfg: dict
+    env: dict = dataclasses.field(default_factory=dict)
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    target: str | None = None
+
+    def __call__(self) -> dict:
+        import submitit  # only here and in launch/submit.py
+
+        from pipeline.config import from_dict
+
+        job_env = submitit.JobEnvironment()
+        d = job_dist_env(job_env)
+        export_env(d)
+        os.environ.update({k: str(v) for k, v in self.env.items()})
+        os.environ["VITP_JOB_ID"] = str(job_env.job_id)
+        folder = Path(job_env.paths.folder)
+        cfg = from_dict(self.cfg, world_size=d.world_size)
+        stopping.clear()
+        if self.stage in COOPERATIVE:
+            install_stop_handlers()
+        elif job_env.cluster == "slurm":
+            signal.signal(signal.SIGUSR2, _requeue_now_handler(str(job_env.job_id), d.rank,
+                                                               cfg.cluster.max_requeues))
+        print(f"vitp: {self.stage} rank {d.rank}/{d.world_size} local {d.local_rank}/{d.local_world_size} "
+              f"master {d.master_addr}:{d.master_port} restart {_restarts()}", file=sys.stderr, flush=True)
+        init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
+
+        fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
+        result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
+        summary = {"stage": self.stage, "job_id": str(job_env.job_id), "world_size": d.world_size,
+                   "restarts": _restarts(), **_plain(result)}
+        if summary.get("status") == "stopped":
+            self._after_stop(summary, cfg, d, folder, job_env)
+        if d.is_rank0:
+            _write_result(folder, summary)
+        return summary
+
+    def _after_stop(self, summary: dict, cfg, d: DistEnv, folder: Path, job_env) -> None:
+        reason = summary.get("stop_reason") or stopping.stop_reason() or "requeue"
+        summary["stop_reason"] = reason
+        if reason != "requeue":
+            # scancel: the checkpoint is saved; SLURM ends the job, nothing is requeued.
+            if d.is_rank0:
+                _write_result(folder, summary)
+            raise SystemExit(0)
+        if job_env.cluster != "slurm":
+            raise RequeueLimitError(f"stopped at step {summary.get('step')} for a requeue, but the "
+                                    f"'{job_env.cluster}' executor cannot requeue; resubmit to resume")
+        if _restarts() >= cfg.cluster.max_requeues:
+            raise RequeueLimitError(
+                f"stopped at step {summary.get('step')}: job already requeued {_restarts()} times "
+                f"(cluster.max_requeues={cfg.cluster.max_requeues}); resubmit to resume from the checkpoint")
+        _file_barrier(folder, f"requeue-{_restarts()}", d, cfg.engine.dist_timeout_s)
+        if d.is_rank0:
+            _append_event(folder, {"event": "requeued", "step": summary.get("step"), "restart": _restarts(),
+                                   "time": time.time()})
+            _scontrol_requeue(str(job_env.job_id))
+        # No result pickle: SystemExit passes submitit's `except Exception`, so the job counts as
+        # unfinished and the requeued run writes the final result.
+        raise SystemExit(0)

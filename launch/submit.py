@@ -1,0 +1,364 @@
+"""`vitp submit STAGE`: a stage as a SLURM job (or array) through submitit.
+
+    vitp submit pretrain --config configs/pretrain/vit_b16.yaml --resources configs/cluster/h100_8x.yaml \\
+        cluster.nodes=4 data.path=/data/shards --wait
+    vitp submit pretrain --config X.yaml --sweep optim.lr=1e-3,3e-4      # one array, one MLflow run each
+    vitp submit prep ~/imagenet/train shards/ --tasks 16 --resize-shorter 256   # array over shard ranges
+
+Everything that can be wrong is checked here, at the login node, before ``sbatch``: the config
+(types, ranges, batch divisibility), the partition (``sinfo``), the data (``_info.json``, enough
+shards for ranks × workers). A mistake is one line on stderr and exit 2; nothing is submitted.
+
+What runs inside the job (rendezvous, signals, requeue) is launch/preempt.py; the submission index
+and `vitp jobs/logs/cancel` are launch/jobs.py. This module and those are the only users of submitit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from .jobs import append_index, cancel_main, jobs_main, logs_main, outcome, wait  # noqa: F401 (cli table)
+from .preempt import STAGE_TARGETS, StageJob
+
+STAGES = ("prep", "pretrain", "transfer", "eval")
+_PREP_MODEL = ["model.width=8", "model.depth=1", "model.heads=1", "model.mlp_dim=8", "model.patch=1"]
+
+
+class SubmitError(ValueError):
+    """A submission mistake found before anything reached the queue; one line."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Config and resources
+# --------------------------------------------------------------------------------------------------
+def load_submit_config(recipe: str | None, overrides: list[str], resources: str | None = None):
+    """Recipe YAML, then a resources file (only `cluster:`/`hardware:`, e.g. configs/cluster/*.yaml)
+    on top of it, then dotted overrides; validated for the planned world size."""
+    from pipeline.config import ConfigError, _deep_merge, _read_yaml, apply_overrides, from_dict
+
+    data = _read_yaml(Path(recipe)) if recipe else {}
+    if resources:
+        res = _read_yaml(Path(resources))
+        extra = sorted(set(res) - {"cluster", "hardware"})
+        if extra:
+            raise ConfigError(f"{resources}: a resources file holds only cluster: and hardware:; got {extra[0]}:")
+        data = _deep_merge(data, res)
+    data = apply_overrides(data, overrides)
+    c = data.get("cluster") or {}
+    nodes, tpn = c.get("nodes", 1), c.get("tasks_per_node", 1)
+    ws = nodes * tpn if isinstance(nodes, int) and isinstance(tpn, int) and nodes > 0 and tpn > 0 else 1
+    return from_dict(data, world_size=ws)
+
+
+def slurm_parameters(cfg) -> dict:
+    """cfg.cluster → the keyword arguments of submitit's ``AutoExecutor.update_parameters``."""
+    c = cfg.cluster
+    p = {
+        "name": c.job_name, "nodes": c.nodes, "tasks_per_node": c.tasks_per_node,
+        "cpus_per_task": c.cpus_per_task, "timeout_min": c.time_min,
+        # USR2 this long before the limit: time for every rank to reach a step boundary and save.
+        "slurm_signal_delay_s": c.signal_delay_s,
+        # requeue: `scontrol requeue` is refused for jobs a site marks non-requeueable by default.
+        "slurm_additional_parameters": {"requeue": True, **c.extra_sbatch},
+    }
+    if c.gpus_per_node:
+        p["gpus_per_node"] = c.gpus_per_node
+    if c.mem_gb is not None:
+        p["mem_gb"] = c.mem_gb
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(c, key):
+            p[f"slurm_{key}"] = getattr(c, key)
+    if c.exclusive:
+        p["slurm_exclusive"] = True
+    return p
+
+
+def local_parameters(cfg) -> dict:
+    """The same resources for submitit's local executor: all tasks on this machine."""
+    c = cfg.cluster
+    return {"name": c.job_name, "tasks_per_node": c.nodes * c.tasks_per_node, "timeout_min": c.time_min,
+            "cpus_per_task": c.cpus_per_task, **({"gpus_per_node": c.gpus_per_node} if c.gpus_per_node else {})}
+
+
+def default_cluster() -> str:
+    return "slurm" if shutil.which("sbatch") else "local"
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks before sbatch
+# --------------------------------------------------------------------------------------------------
+def partitions() -> list[str]:
+    r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60)
+    if r.returncode:
+        raise SubmitError(f"cannot reach SLURM: sinfo failed ({r.stderr.strip() or r.returncode})")
+    return [p.strip().rstrip("*") for p in r.stdout.split() if p.strip()]
+
+
+def check_cluster(cfg, cluster: str) -> None:
+    c = cfg.cluster
+    if c.gpus_per_node and c.tasks_per_node != c.gpus_per_node:
+        raise SubmitError(f"cluster.tasks_per_node: {c.tasks_per_node} != cluster.gpus_per_node "
+                          f"{c.gpus_per_node} (one task per GPU)")
+    if cluster == "slurm" and c.partition:
+        known = partitions()
+        if c.partition not in known:
+            raise SubmitError(f"cluster.partition: unknown partition {c.partition!r} "
+                              f"(this cluster has: {', '.join(known) or 'none'})")
+
+
+def check_data(cfg, stage: str) -> None:
+    """The dataset exists, is complete, and has a shard for every (rank, loader worker)."""
+    path = cfg.data.path
+    if stage == "eval" and not path:
+        return
+    if not path:
+        raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
+    info_path = Path(path) / "_info.json"
+    if not info_path.is_file():
+        raise SubmitError(f"data.path: {info_path} not found (not a `vitp prep` output, or prep not finished)")
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SubmitError(f"data.path: {info_path} is not valid JSON ({e})") from None
+    split = cfg.data.train_split
+    if stage == "eval" or cfg.data.resampled:
+        return
+    shards = (info.get("splits") or {}).get(split, {}).get("filenames")
+    if not shards:
+        raise SubmitError(f"data.train_split: {info_path} has no split {split!r} "
+                          f"(has: {', '.join(info.get('splits') or {}) or 'none'})")
+    need = cfg.world_size_planned * max(1, cfg.data.workers)
+    if len(shards) < need:
+        raise SubmitError(
+            f"data.path: {len(shards)} {split!r} shards < world size {cfg.world_size_planned} x data.workers "
+            f"{max(1, cfg.data.workers)} = {need}; write smaller shards or set data.resampled=true")
+
+
+def check_stage_importable(stage: str, target: str | None) -> None:
+    import importlib
+
+    module = (target or STAGE_TARGETS[stage]).split(":")[0]
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise SubmitError(f"stage {stage}: cannot import {module} ({e})") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Sweeps and prep ranges
+# --------------------------------------------------------------------------------------------------
+def _fmt(v) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def parse_sweep(sweeps: list[str], sweep_file: str | None = None) -> list[list[str]]:
+    """``["optim.lr=1e-3,3e-4", "train.steps=10,20"]`` → the cartesian product as override lists;
+    a sweep file is a YAML list of mappings ``{dotted.key: value}``."""
+    sets: list[list[str]] = [[]]
+    for item in sweeps:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise SubmitError(f"--sweep {item!r}: expected KEY=V1,V2,..., e.g. optim.lr=1e-3,3e-4")
+        sets = [s + [f"{key}={v.strip()}"] for s in sets for v in values.split(",")]
+    if sweep_file:
+        import yaml
+
+        try:
+            rows = yaml.safe_load(Path(sweep_file).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise SubmitError(f"--sweep-file {sweep_file}: {e}") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or not rows:
+            raise SubmitError(f"--sweep-file {sweep_file}: expected a list of mappings {{dotted.key: value}}")
+        sets = [s + [f"{k}={_fmt(v)}" for k, v in r.items()] for s, r in itertools.product(sets, rows)]
+    return sets if sweeps or sweep_file else []
+
+
+def split_shards(n_shards: int, tasks: int) -> list[tuple[int, int]]:
+    """Contiguous, nearly equal ranges of the plan's shards; never an empty task."""
+    tasks = max(1, min(tasks, n_shards))
+    bounds = [round(i * n_shards / tasks) for i in range(tasks + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(tasks)]
+
+
+# --------------------------------------------------------------------------------------------------
+# Submission
+# --------------------------------------------------------------------------------------------------
+def make_executor(cfg, cluster: str):
+    import submitit
+
+    ex = submitit.AutoExecutor(folder=str(Path(cfg.cluster.log_dir) / "%j"), cluster=cluster,
+                               slurm_max_num_timeout=cfg.cluster.max_requeues)
+    params = slurm_parameters(cfg) if cluster == "slurm" else local_parameters(cfg)
+    if cluster == "debug":
+        params = {"timeout_min": cfg.cluster.time_min}
+    ex.update_parameters(**params)
+    return ex
+
+
+def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, extra: dict | None = None) -> list[dict]:
+    """Submit one job (one call) or one array (several); write each job's resolved config; index them."""
+    from pipeline.config import write_resolved
+
+    ex = make_executor(cfgs[0], cluster)
+    if len(calls) == 1:
+        jobs = [ex.submit(calls[0])]
+    else:
+        with ex.batch():
+            jobs = [ex.submit(c) for c in calls]
+    entries = []
+    for job, cfg, call in zip(jobs, cfgs, calls):
+        folder = Path(job.paths.folder)
+        write_resolved(cfg, folder)
+        entry = {"job_id": str(job.job_id), "stage": stage, "folder": str(folder.resolve()), "executor": cluster,
+                 "run_dir": cfg.run.dir if stage != "prep" else call.kwargs.get("out", ""),
+                 "tasks": cfg.cluster.nodes * cfg.cluster.tasks_per_node, "time": time.time(), **(extra or {})}
+        append_index(cfg.cluster.log_dir, entry)
+        entries.append(entry)
+    return entries
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", choices=["slurm", "local", "debug"], default=None,
+                   help="submitit executor (default: slurm when sbatch is on PATH, else local)")
+    p.add_argument("--resources", help="cluster/hardware YAML merged over the recipe, e.g. configs/cluster/h100_8x.yaml")
+    p.add_argument("--wait", action="store_true", help="block until the job ends; non-zero exit if it failed")
+    p.add_argument("--dry-run", action="store_true", help="check and print the sbatch parameters; submit nothing")
+
+
+def _prep_parser() -> argparse.ArgumentParser:
+    from .cli import parser_for
+
+    p = parser_for("submit", "Submit `vitp prep` as a SLURM array over the plan's shards.")
+    p.add_argument("source", help="ImageFolder directory or CSV/JSONL/Parquet manifest")
+    p.add_argument("out", help="output folder (shared file system)")
+    p.add_argument("overrides", nargs="*", metavar="cluster.KEY=VALUE")
+    p.add_argument("--tasks", type=int, default=1, help="array tasks (each writes a range of shards)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-fraction", type=float, default=0.0)
+    p.add_argument("--max-samples-per-shard", type=int, default=5000)
+    p.add_argument("--shard-size-mb", type=float, default=None)
+    p.add_argument("--resize-shorter", type=int, default=None)
+    p.add_argument("--resize-longer", type=int, default=None)
+    p.add_argument("--quality", type=int, default=90)
+    p.add_argument("--classes", default=None, help="classes file (one name per line)")
+    p.add_argument("--dedup", action="store_true")
+    p.add_argument("--workers", type=int, default=1, help="processes per task")
+    _common_args(p)
+    return p
+
+
+def _stage_parser() -> argparse.ArgumentParser:
+    from .cli import add_config_args, parser_for
+
+    p = parser_for("submit", "Submit a stage (pretrain, transfer, eval) to SLURM through submitit; "
+                             "prints `job <id>`. Resource overrides go under cluster., e.g. cluster.nodes=2.")
+    add_config_args(p)
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="one array task per value (several --sweep: every combination)")
+    p.add_argument("--sweep-file", help="YAML list of override mappings, one array task each")
+    _common_args(p)
+    return p
+
+
+def _prep_calls(args, cfg) -> tuple[list, list[StageJob]]:
+    from data_prep.prep import prep
+
+    if not Path(args.source).exists():
+        raise SubmitError(f"source: {args.source} not found")
+    kw = dict(seed=args.seed, val_fraction=args.val_fraction, max_samples_per_shard=args.max_samples_per_shard,
+              shard_size_bytes=int(args.shard_size_mb * 2**20) if args.shard_size_mb else None,
+              resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
+              classes=args.classes, dedup=args.dedup, workers=args.workers)
+    # The plan is written here, once: every task then reads the same deterministic shard list.
+    total = prep(args.source, args.out, shard_range=(0, 0), progress=False, **kw)["shards_total"]
+    ranges = split_shards(total, args.tasks)
+    common = {"source": str(Path(args.source).resolve()), "out": str(Path(args.out).resolve()),
+              "shard_ranges": ranges, "prep_kwargs": kw}
+    calls = [StageJob("prep", _cfg_dict(cfg), kwargs={**common, "task": i}) for i in range(len(ranges))]
+    return [cfg] * len(calls), calls
+
+
+def _cfg_dict(cfg) -> dict:
+    from pipeline.config import to_dict
+
+    return to_dict(cfg)
+
+
+def submit_main(argv: list[str], target: str | None = None) -> int:
+    """`vitp submit STAGE ...`; ``target`` ("module:function") replaces the stage function (tests)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        _stage_parser().print_help()
+        print(f"\nstages: {', '.join(STAGES)}; `vitp submit prep --help` for the array form")
+        return 0 if argv else 2
+    stage, rest = argv[0], argv[1:]
+    if stage not in STAGES:
+        print(f"error: unknown stage {stage!r}; one of {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    args = (_prep_parser() if stage == "prep" else _stage_parser()).parse_args(rest)
+    cluster = args.cluster or default_cluster()
+    from pipeline.config import ConfigError
+
+    try:
+        extra: dict = {}
+        if stage == "prep":
+            bad = [o for o in args.overrides if not o.startswith("cluster.")]
+            if bad:
+                raise SubmitError(f"override {bad[0]!r}: `submit prep` takes only cluster.* overrides")
+            # The jobs need only cluster/engine settings; a placeholder model makes the config valid.
+            cfg = load_submit_config(None, [*_PREP_MODEL, *args.overrides], args.resources)
+            cfg.cluster.nodes, cfg.cluster.tasks_per_node = 1, 1  # each array task is one process
+            check_cluster(cfg, cluster)
+            if args.tasks < 1:
+                raise SubmitError(f"--tasks: must be >= 1; got {args.tasks}")
+            if args.dry_run:
+                print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
+                return 0
+            cfgs, calls = _prep_calls(args, cfg)
+        else:
+            base = load_submit_config(args.config, args.overrides, args.resources)
+            check_cluster(base, cluster)
+            check_stage_importable(stage, target)
+            sets = parse_sweep(args.sweep, args.sweep_file)
+            cfgs, envs = [base], [{}]
+            if sets:
+                sweep_id = f"{base.cluster.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+                extra["sweep"] = sweep_id
+                cfgs, envs = [], []
+                for i, s in enumerate(sets):
+                    run_dir = [] if any(o.startswith("run.dir=") for o in s) else [f"run.dir={base.run.dir}/{sweep_id}/{i}"]
+                    cfgs.append(load_submit_config(args.config, [*args.overrides, *s, *run_dir], args.resources))
+                    tags = {"sweep": sweep_id, "sweep_index": str(i), "sweep_overrides": " ".join(s)}
+                    envs.append({"VITP_MLFLOW_TAGS": json.dumps(tags, sort_keys=True)})
+            for c in cfgs:
+                check_data(c, stage)
+            if args.dry_run:
+                print(json.dumps(slurm_parameters(base), indent=1, sort_keys=True))
+                return 0
+            calls = [StageJob(stage, _cfg_dict(c), env=e, target=target) for c, e in zip(cfgs, envs)]
+    except (ConfigError, SubmitError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    entries = submit_jobs(stage, cfgs, calls, cluster, extra)
+    if len(entries) == 1:
+        print(f"job {entries[0]['job_id']}", flush=True)
+    else:
+        print(f"job {entries[0]['job_id'].split('_')[0]}", flush=True)
+        for e in entries:
+            print(f"  task {e['job_id']}  {e['run_dir']}", flush=True)
+    if not args.wait:
+        return 0
+    states = wait(entries)
+    rc = 0
+    for e in entries:
+        ok, line = outcome(e, states[e["job_id"]])
+        print(line, file=sys.stdout if ok else sys.stderr, flush=True)
+        rc = rc or (0 if ok else 1)
+    return rc

@@ -1,0 +1,603 @@
+"""Shards → batches: the streaming WebDataset loader for training and evaluation.
+
+A dataset is a `vitp prep` folder: ``_info.json`` (timm's WDS reader layout: splits → filenames,
+shard_lengths, num_samples; num_classes; classes) and tars whose samples are ``<key>.cls`` (label
+text), ``<key>.jpg|png|webp`` and ``<key>.json``.
+
+How a training epoch is cut (everything is a pure function of (seed, epoch, rank, stream)):
+
+1. The split's shards are permuted with ``(seed, epoch)`` and read as one long sample sequence
+   (their lengths are known from ``_info.json``).
+2. Every (rank, stream) — a stream is one DataLoader worker — owns a contiguous range of that
+   sequence of exactly ``batches × micro_batch`` samples, so one epoch visits each sample once
+   across all ranks and every rank yields the same number of micro-batches whatever the shard sizes.
+   The ``num_samples % global_batch`` tail is dropped (it moves with the shard permutation).
+3. A stream reads its range (skipping into the first shard by tar headers only), passes raw bytes
+   through a seeded shuffle buffer, and if bad samples left it short it re-reads its own range with
+   a new shuffle ("pads from its own stream").
+4. Sample ``i`` of a stream is augmented with a seed made of (seed, epoch, rank, stream, i). An
+   image that fails to decode is replaced inside its batch by another sample of the same batch
+   (re-augmented), so batch ``b`` always consumes raw samples ``[b·B, (b+1)·B)`` of its stream.
+
+Resuming at micro-batch ``k`` therefore re-creates the epoch's streams and skips raw samples
+without decoding; the next batches are bit-identical to the uninterrupted run's. The loader's state
+is the same on every rank: ``{"epoch", "step", "seed", ...}``.
+
+Batches go out as uint8; the training loop normalises on the device::
+
+    for images, labels in loader:                       # one epoch (the rest of it after a resume)
+        x = normalize(images.to(dev, non_blocking=True))  # [B, 3, S, S] float in [-1, 1]
+        x, targets = loader.mix(x, labels.to(dev))        # mixup/cutmix/smoothing → [B, K] float
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import tarfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .augment import DecodeError, EvalTransform, Mixer, TrainTransform, normalize
+
+__all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "normalize", "DataError",
+           "SKIP_REASONS"]
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+SKIP_REASONS = ("corrupt_tar", "missing_cls", "bad_cls", "missing_image", "undecodable_image")
+
+
+class DataError(ValueError):
+    """A dataset that cannot be read as configured; the message is one line naming the file/key."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Dataset description
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SplitInfo:
+    name: str
+    num_samples: int
+    urls: tuple[str, ...]  # one per shard: a local path, or a URL webdataset's gopen can open
+    lengths: tuple[int, ...]  # samples per shard
+
+
+@dataclass(frozen=True)
+class Info:
+    path: str
+    num_classes: int
+    classes: tuple[str, ...]
+    splits: dict[str, SplitInfo] = field(default_factory=dict)
+
+    def split(self, name: str) -> SplitInfo:
+        """The named split; an error naming the dataset if it is missing or empty."""
+        if name not in self.splits:
+            raise DataError(f"{self.path}/_info.json: no split {name!r} (has: {', '.join(self.splits) or 'none'})")
+        sp = self.splits[name]
+        if sp.num_samples <= 0 or not sp.urls:
+            raise DataError(f"{self.path}/_info.json: split {name!r} is empty (0 samples)")
+        return sp
+
+
+def _is_url(s: str) -> bool:
+    return "://" in s or s.startswith("pipe:")
+
+
+def read_info(path: str | os.PathLike) -> Info:
+    """Read ``<path>/_info.json`` (+ ``classes.json`` if the info has no class list) and check that
+    every local shard it names exists."""
+    root = str(path)
+    if _is_url(root):
+        raise DataError(f"data.path: {root!r}: remote datasets need a local _info.json copy; give its folder")
+    f = Path(root) / "_info.json"
+    if not f.is_file():
+        raise DataError(f"{f}: not found (is data.path a `vitp prep` output folder, and did prep finish?)")
+    try:
+        raw = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{f}: unreadable ({e})") from None
+    classes = raw.get("classes")
+    cfile = Path(root) / "classes.json"
+    if classes is None and cfile.is_file():
+        classes = json.loads(cfile.read_text(encoding="utf-8"))
+    classes = tuple(str(c) for c in (classes or ()))
+    num_classes = int(raw.get("num_classes", len(classes)))
+    splits = {}
+    for name, sp in (raw.get("splits") or {}).items():
+        files = list(sp.get("filenames") or [])
+        urls = tuple(u if _is_url(u) or os.path.isabs(u) else os.path.join(root, u) for u in files)
+        for u in urls:
+            if not _is_url(u) and not os.path.isfile(u):
+                raise DataError(f"{f}: split {name!r} names shard {u} which does not exist")
+        lengths = sp.get("shard_lengths")
+        if lengths is None or len(lengths) != len(urls):
+            lengths = [_count_samples(u) for u in urls]  # older/foreign info: count once, by headers
+        lengths = tuple(int(n) for n in lengths)
+        splits[name] = SplitInfo(name, int(sp.get("num_samples", sum(lengths))), urls, lengths)
+    if not splits:
+        raise DataError(f"{f}: no splits")
+    if num_classes <= 0:
+        raise DataError(f"{f}: num_classes is {num_classes}; need >= 1")
+    return Info(root, num_classes, classes, splits)
+
+
+def _count_samples(url: str) -> int:
+    return sum(1 for _ in _read_shard(url, _Counts(), 0, None, num_classes=None, read=False))
+
+
+# --------------------------------------------------------------------------------------------------
+# Raw samples out of tars (no decoding)
+# --------------------------------------------------------------------------------------------------
+class _Counts(dict):
+    """Skip counters by reason; ``active=False`` while re-reading already-consumed samples."""
+
+    active = True  # False while skipping samples consumed before a resume (counted then)
+    rereading = False  # True on a stream's second pass over its range (counted on the first)
+
+    def add(self, reason: str, n: int = 1) -> None:
+        if self.active and not self.rereading:
+            self[reason] = self.get(reason, 0) + n
+
+    def take(self) -> dict:
+        out = dict(self)
+        self.clear()
+        return out
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    """"dir/abc.def.jpg" → ("dir/abc", "def.jpg") — webdataset's key/extension convention."""
+    d, _, base = name.rpartition("/")
+    stem, _, ext = base.partition(".")
+    return (f"{d}/{stem}" if d else stem), ext.lower()
+
+
+def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_classes: int | None,
+                read: bool = True) -> Iterator[tuple[str, bytes | None, int]]:
+    """Valid samples ``start <= i < stop`` of one shard as (key, image bytes, label).
+
+    A valid sample has an image member and a ``.cls`` holding an int in [0, num_classes); invalid
+    ones are counted and do not take an index (so indices agree with prep's shard_lengths).
+    Image bytes are read only for samples in range; a local tar is opened seekable, so samples
+    before ``start`` cost a header read each. A truncated or unreadable tar ends the shard, counted.
+    """
+    index = 0
+
+    def bad(reason: str) -> None:
+        # only the reader whose range holds this position counts it, so a shard read in pieces
+        # by several streams reports each problem once
+        if index >= start and (stop is None or index < stop):
+            counts.add(reason)
+
+    try:
+        if _is_url(url):
+            import webdataset  # remote shards only: gopen knows pipe:, http(s), s3 via the CLI
+
+            tar = tarfile.open(fileobj=webdataset.gopen(url, "rb"), mode="r|")
+        else:
+            tar = tarfile.open(url, mode="r:")
+    except (tarfile.TarError, OSError) as e:
+        bad("corrupt_tar")
+        warnings.warn(f"{url}: unreadable shard, skipped ({e})", stacklevel=2)
+        return
+    key, cls, img = None, None, None
+
+    def finish():
+        nonlocal index
+        if key is None:
+            return None
+        if cls is None:
+            bad("missing_cls")
+            return None
+        try:
+            label = int(cls.decode().strip())
+        except (UnicodeDecodeError, ValueError):
+            bad("bad_cls")
+            return None
+        if label < 0 or (num_classes is not None and label >= num_classes):
+            bad("bad_cls")
+            return None
+        if img is None:
+            bad("missing_image")
+            return None
+        i, index = index, index + 1
+        return (key, img if img is not True else None, label) if i >= start else None
+
+    try:
+        with tar:
+            for m in tar:
+                if stop is not None and index >= stop:
+                    return
+                if not m.isfile():
+                    continue
+                k, ext = _split_name(m.name)
+                if k != key:
+                    out = finish()
+                    if out is not None:
+                        yield out
+                    key, cls, img = k, None, None
+                    if stop is not None and index >= stop:
+                        return
+                if ext == "cls":
+                    cls = tar.extractfile(m).read()
+                elif ext in IMAGE_EXTS:
+                    # index is the one this sample gets if valid; bytes only when it is in range
+                    img = tar.extractfile(m).read() if read and index >= start else True
+            out = finish()
+            if out is not None:
+                yield out
+            if not _is_url(url) and os.path.getsize(url) < tar.offset + 1024:
+                raise tarfile.ReadError("no end-of-archive marker (file cut off)")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        bad("corrupt_tar")
+        warnings.warn(f"{url}: corrupt or cut-off shard, rest skipped ({e})", stacklevel=2)
+
+
+def _segments(lengths: list[int], order, start: int, count: int) -> list[tuple[int, int, int]]:
+    """Positions ``[start, start+count)`` of the (cyclic) concatenation of shards in ``order`` →
+    [(shard, lo, hi)] slices."""
+    total = sum(lengths[s] for s in order)
+    cum = np.cumsum([0] + [lengths[s] for s in order])
+    out, pos = [], start % total
+    while count > 0:
+        j = int(np.searchsorted(cum, pos, side="right") - 1)
+        lo = pos - int(cum[j])
+        take = min(lengths[order[j]] - lo, count)
+        out.append((int(order[j]), lo, lo + take))
+        count -= take
+        pos = (pos + take) % total
+    return out
+
+
+def _stop(hi: int, length: int) -> int | None:
+    """A range that ends with its shard reads on to the end: trailing bad samples get counted and
+    a cut-off tar is noticed even when the cut fell after the last good sample."""
+    return None if hi >= length else hi
+
+
+def _shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
+    """Shuffle buffer: keep ``size`` items, emit a random one as each new one arrives, then drain."""
+    if size <= 1:
+        yield from items
+        return
+    buf = []
+    for x in items:
+        if len(buf) < size:
+            buf.append(x)
+            continue
+        i = int(rng.integers(size))
+        buf[i], x = x, buf[i]
+        yield x
+    rng.shuffle(buf)
+    yield from buf
+
+
+def _seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def _worker() -> tuple[int, int]:
+    wi = get_worker_info()
+    return (0, 1) if wi is None else (wi.id, wi.num_workers)
+
+
+def _init_worker(_):
+    torch.set_num_threads(1)  # decode/augment is per-sample; intra-op threads only fight each other
+
+
+def _decode_batch(samples, transform, seeds, counts: _Counts, seen_bad: set | None = None):
+    """[(pos, (key, bytes, label))] → images uint8 [B, 3, S, S], labels [B], keys, ok mask [B]."""
+    imgs, ok = [], []
+    for (_, (key, data, _)), s in zip(samples, seeds):
+        try:
+            imgs.append(transform(data, s))
+            ok.append(True)
+        except DecodeError as e:
+            if seen_bad is None or key not in seen_bad:  # a stream that wraps meets it again
+                counts.add("undecodable_image")
+                warnings.warn(f"sample {key}: {e}; skipped", stacklevel=2)
+                if seen_bad is not None:
+                    seen_bad.add(key)
+            imgs.append(None)
+            ok.append(False)
+    return imgs, ok
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+class _TrainEpoch(IterableDataset):
+    """One epoch of one rank, from micro-batch ``start`` on; worker d serves logical stream
+    (start + d) % n so DataLoader's round-robin yields micro-batches in index order."""
+
+    def __init__(self, loader: TrainLoader, epoch: int, start: int):
+        self.p, self.epoch, self.start = loader._params(), epoch, start
+
+    def __iter__(self):
+        p = self.p
+        d, n = _worker()
+        stream = (self.start + d) % n
+        m = p["micro_batches"]
+        count = m // n + (stream < m % n)
+        done = max(0, -(-(self.start - stream) // n))
+        yield from _train_stream(p, self.epoch, stream, n, count, done)
+
+
+def _stream_quota_start(p, stream: int, n: int) -> int:
+    """Where (rank, stream) starts in the epoch's sample sequence."""
+    m, mb = p["micro_batches"], p["micro_batch"]
+    before = sum(m // n + (s < m % n) for s in range(stream))
+    return (p["rank"] * m + before) * mb
+
+
+def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts) -> Iterator:
+    """Endless raw samples of (rank, stream) for this epoch: its range, then (if bad samples left it
+    short) the range again with a new shuffle; resampled mode draws shards with replacement."""
+    seed, rank, sp, K = p["seed"], p["rank"], p["split"], p["num_classes"]
+    lengths, urls = list(sp.lengths), sp.urls
+    if p["resampled"]:
+        rng = np.random.default_rng([seed, epoch, rank, stream, 1])
+
+        def draws():
+            while True:
+                got = 0
+                for _ in range(len(urls)):
+                    for x in _read_shard(urls[int(rng.integers(len(urls)))], counts, 0, None, num_classes=K):
+                        got += 1
+                        yield x
+                if not got:
+                    raise DataError(f"{sp.name}: {len(urls)} shards drawn in a row held no readable sample")
+
+        yield from _shuffled(draws(), p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 2]))
+        return
+    order = np.random.default_rng([seed, epoch, 0]).permutation(len(urls))
+    segs = _segments(lengths, order, _stream_quota_start(p, stream, n), count * p["micro_batch"])
+    for rnd in itertools.count():
+        got = 0
+        counts.rereading = rnd > 0
+        raw = (x for s, lo, hi in segs for x in _read_shard(urls[s], counts, lo, _stop(hi, lengths[s]), num_classes=K))
+        for x in _shuffled(raw, p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 3, rnd])):
+            got += 1
+            yield x
+        if not got:
+            raise DataError(f"{sp.name}: rank {rank} stream {stream} found no readable sample in its shards "
+                            f"{sorted({urls[s] for s, _, _ in segs})}")
+
+
+def _train_stream(p, epoch: int, stream: int, n: int, count: int, done: int):
+    counts, seen_bad = _Counts(), set()
+    mb, seed, rank = p["micro_batch"], p["seed"], p["rank"]
+    tf = TrainTransform(p["img_size"], p["crop_scale"], p["hflip"], p["randaugment"])
+    raw = enumerate(_raw_stream(p, epoch, stream, n, count, counts))
+    counts.active = False  # already counted before the checkpoint
+    for _ in itertools.islice(raw, done * mb):
+        pass
+    counts.active = True
+    for _ in range(done, count):
+        batch = list(itertools.islice(raw, mb))
+        seeds = [_seed(seed, epoch, rank, stream, pos) for pos, _ in batch]
+        imgs, ok = _decode_batch(batch, tf, seeds, counts, seen_bad)
+        while not any(ok):  # all undecodable: take more (the only case that shifts later positions)
+            batch = list(itertools.islice(raw, mb))
+            imgs, ok = _decode_batch(batch, tf, [_seed(seed, epoch, rank, stream, pos) for pos, _ in batch], counts,
+                                     seen_bad)
+        good = [i for i in range(mb) if ok[i]]
+        keys, labels = [], []
+        for i in range(mb):
+            j = i if ok[i] else good[i % len(good)]  # pad from this batch: same stream, new augmentation
+            if not ok[i]:
+                imgs[i] = tf(batch[j][1][1], _seed(seed, epoch, rank, stream, batch[i][0], 1))
+            keys.append(batch[j][1][0])
+            labels.append(batch[j][1][2])
+        yield torch.stack(imgs), torch.tensor(labels, dtype=torch.int64), keys, counts.take()
+
+
+class TrainLoader:
+    """Training batches for one rank: iterate for one epoch of ``micro_batches_per_epoch``
+    micro-batches ``(images uint8 [B, 3, S, S], labels int64 [B])`` (+ ``keys`` list with
+    ``return_keys=True``), the same count on every rank; the next ``iter()`` starts the next epoch.
+
+    ``steps_per_epoch = max(1, num_samples // global_batch)`` optimizer steps, each made of
+    ``accum_steps = global_batch / (world_size × micro_batch)`` micro-batches per rank.
+    ``skipped``: reason → count of bad samples seen on this rank (log it as a metric).
+    ``mix(x, y)``: mixup/cutmix/label smoothing for the batch last yielded (see :class:`Mixer`).
+    """
+
+    def __init__(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int,
+                 rank: int | None = None, world_size: int | None = None, seed: int = 0, split: str | None = None,
+                 num_workers: int | None = None, return_keys: bool = False, pin_memory: bool = False):
+        if rank is None or world_size is None:
+            from launch.distributed import dist_env
+
+            env = dist_env()
+            rank = env.rank if rank is None else rank
+            world_size = env.world_size if world_size is None else world_size
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world size {world_size}")
+        if global_batch % (world_size * micro_batch):
+            raise DataError(f"train.global_batch: {global_batch} is not divisible by world size {world_size} x "
+                            f"train.micro_batch {micro_batch}")
+        self.cfg = cfg_data
+        self.info = read_info(cfg_data.path)
+        self.split = self.info.split(split or cfg_data.train_split)
+        self.rank, self.world_size, self.seed = rank, world_size, int(seed)
+        self.img_size, self.micro_batch, self.global_batch = int(img_size), int(micro_batch), int(global_batch)
+        self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
+        self.return_keys, self.pin_memory = return_keys, pin_memory
+        streams = world_size * max(1, self.num_workers)
+        if not cfg_data.resampled and len(self.split.urls) < streams:
+            raise DataError(
+                f"data.path: split {self.split.name!r} has {len(self.split.urls)} shards, fewer than world size "
+                f"{world_size} x data.workers {max(1, self.num_workers)}; lower data.workers, set data.resampled=true, "
+                "or re-shard smaller")
+        self.accum_steps = global_batch // (world_size * micro_batch)
+        self.steps_per_epoch = max(1, self.split.num_samples // global_batch)
+        self.micro_batches_per_epoch = self.steps_per_epoch * self.accum_steps
+        TrainTransform(self.img_size, cfg_data.crop_scale, cfg_data.hflip, cfg_data.randaugment)  # fail early
+        self.mixer = Mixer(self.info.num_classes, cfg_data.mixup, cfg_data.cutmix, cfg_data.label_smoothing)
+        self.epoch, self.step = 0, 0
+        self.skipped: dict[str, int] = {}
+        self._last = (0, 0)
+
+    @property
+    def num_classes(self) -> int:
+        return self.info.num_classes
+
+    def _params(self) -> dict:
+        c = self.cfg
+        return {"seed": self.seed, "rank": self.rank, "split": self.split, "num_classes": self.info.num_classes,
+                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches_per_epoch,
+                "resampled": c.resampled, "shuffle_buffer": c.shuffle_buffer, "img_size": self.img_size,
+                "crop_scale": tuple(c.crop_scale), "hflip": c.hflip, "randaugment": c.randaugment}
+
+    def __len__(self) -> int:
+        return self.micro_batches_per_epoch
+
+    def __iter__(self):
+        if self.step >= self.micro_batches_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        ds = _TrainEpoch(self, self.epoch, self.step)
+        if self.num_workers > 0:
+            src = DataLoader(ds, batch_size=None, num_workers=self.num_workers, worker_init_fn=_init_worker,
+                             pin_memory=self.pin_memory, persistent_workers=False)
+        else:
+            src = ds
+        for images, labels, keys, skipped in src:
+            for k, v in skipped.items():
+                self.skipped[k] = self.skipped.get(k, 0) + v
+            self._last = (self.epoch, self.step)
+            self.step += 1
+            yield (images, labels, keys) if self.return_keys else (images, labels)
+        if self.step >= self.micro_batches_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+
+    def forever(self):
+        """Micro-batches across epochs, without end."""
+        while True:
+            yield from self
+
+    def mix(self, images: torch.Tensor, labels: torch.Tensor):
+        """Normalised images [B, 3, S, S] float, labels [B] int64 (on any device) → (images, soft
+        targets [B, K] float32): mixup/cutmix (timm) with label smoothing, seeded by the position of
+        the batch last yielded; only one-hot/smoothing when mixup and cutmix are off."""
+        epoch, step = self._last
+        return self.mixer(images, labels, seed=self.seed, epoch=epoch, step=step, rank=self.rank)
+
+    def state_dict(self) -> dict:
+        """Position after the last yielded micro-batch (equal on every rank except ``skipped``)."""
+        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "world_size": self.world_size,
+                "workers": max(1, self.num_workers), "micro_batch": self.micro_batch,
+                "global_batch": self.global_batch, "num_samples": self.split.num_samples,
+                "resampled": bool(self.cfg.resampled), "skipped": dict(self.skipped)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Continue from ``sd``: the next micro-batches equal those the saved run would have yielded.
+        If the epoch's layout changed (world size, workers, batch, dataset), continue at the next
+        epoch's start instead, with a warning."""
+        self.seed = int(sd["seed"])
+        self.epoch, self.step = int(sd["epoch"]), int(sd["step"])
+        self.skipped = dict(sd.get("skipped", {}))
+        same = (sd.get("world_size"), sd.get("workers"), sd.get("micro_batch"), sd.get("global_batch"),
+                sd.get("num_samples"), sd.get("resampled")) == (
+            self.world_size, max(1, self.num_workers), self.micro_batch, self.global_batch,
+            self.split.num_samples, bool(self.cfg.resampled))
+        if not same and self.step:
+            warnings.warn("data loader state is from a different layout (world size/workers/batch/dataset); "
+                          f"continuing at the start of epoch {self.epoch + 1}", stacklevel=2)
+            self.epoch, self.step = self.epoch + 1, 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------
+class _EvalRank(IterableDataset):
+    """A rank's batches ``[0, num_batches)``; worker d takes a contiguous block of them (eval does
+    not care about order, and a block reads its shards in one pass)."""
+
+    def __init__(self, loader: EvalLoader):
+        self.sp, self.K, self.B = loader.split, loader.info.num_classes, loader.batch
+        self.lo, self.hi, self.nb = loader._lo, loader._hi, loader.num_batches
+        self.tf = EvalTransform(loader.img_size, loader.crop_pct)
+
+    def __iter__(self):
+        d, n = _worker()
+        b0, b1 = d * self.nb // n, (d + 1) * self.nb // n
+        counts, B, S = _Counts(), self.B, self.tf.size
+        first, last = min(self.lo + b0 * B, self.hi), min(self.lo + b1 * B, self.hi)
+        segs = _segments(list(self.sp.lengths), range(len(self.sp.urls)), first, last - first) if last > first else []
+        raw = (x for s, lo, hi in segs
+               for x in _read_shard(self.sp.urls[s], counts, lo, _stop(hi, self.sp.lengths[s]), num_classes=self.K))
+        for b in range(b0, b1):
+            real = max(0, min(B, self.hi - (self.lo + b * B)))
+            images = torch.zeros(B, 3, S, S, dtype=torch.uint8)
+            labels = torch.full((B,), -1, dtype=torch.int64)
+            mask = torch.zeros(B, dtype=torch.bool)
+            keys = [""] * B
+            for i, (key, data, label) in enumerate(itertools.islice(raw, real)):  # short if a shard is cut
+                try:
+                    images[i] = self.tf(data)
+                except DecodeError as e:
+                    counts.add("undecodable_image")
+                    warnings.warn(f"sample {key}: {e}; not evaluated", stacklevel=2)
+                    continue
+                labels[i], mask[i], keys[i] = label, True, key
+            yield images, labels, mask, keys, counts.take()
+
+
+class EvalLoader:
+    """Every sample of a split exactly once across ranks: rank r gets the contiguous slice
+    ``[r·N/W, (r+1)·N/W)`` in shard order, as ``num_batches`` batches of
+    ``(images uint8 [B, 3, S, S], labels int64 [B], valid bool [B])`` (+ keys with ``return_keys``).
+
+    ``num_batches`` is the same on every rank (rows past a rank's slice, and undecodable images,
+    have ``valid=False``, label -1, zero pixels), so a caller can run the model and any per-batch
+    collective on every rank in lock-step, sum ``correct[valid]`` / ``valid.sum()`` locally and
+    all-reduce those sums once at the end. ``num_samples_rank`` is this rank's slice length.
+    """
+
+    def __init__(self, cfg_data, *, img_size: int, batch: int, rank: int | None = None,
+                 world_size: int | None = None, split: str | None = None, num_workers: int | None = None,
+                 return_keys: bool = False, crop_pct: float | None = None):
+        if rank is None or world_size is None:
+            from launch.distributed import dist_env
+
+            env = dist_env()
+            rank = env.rank if rank is None else rank
+            world_size = env.world_size if world_size is None else world_size
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world size {world_size}")
+        name = split or cfg_data.val_split
+        if not name:
+            raise DataError("data.val_split: not set; no split to evaluate")
+        self.info = read_info(cfg_data.path)
+        self.split = self.info.split(name)
+        self.rank, self.world_size = rank, world_size
+        self.img_size, self.batch = int(img_size), int(batch)
+        self.crop_pct = cfg_data.eval_crop_pct if crop_pct is None else float(crop_pct)
+        self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
+        self.return_keys = return_keys
+        n = self.num_samples = self.split.num_samples
+        self._lo, self._hi = rank * n // world_size, (rank + 1) * n // world_size
+        self.num_samples_rank = self._hi - self._lo
+        self.num_batches = math.ceil(math.ceil(n / world_size) / self.batch)
+        self.skipped: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self):
+        ds = _EvalRank(self)
+        workers = min(self.num_workers, self.num_batches)
+        src = ds if workers <= 0 else DataLoader(ds, batch_size=None, num_workers=workers,
+                                                 worker_init_fn=_init_worker)
+        for images, labels, mask, keys, skipped in src:
+            for k, v in skipped.items():
+                self.skipped[k] = self.skipped.get(k, 0) + v
+            yield (images, labels, mask, keys) if self.return_keys else (images, labels, mask)

@@ -1,0 +1,209 @@
+"""TrainLoader / EvalLoader behaviour on tiny shards (in-process ranks; workers where it matters)."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from pipeline.augment import EvalTransform, TrainTransform
+from pipeline.config import DataCfg
+from pipeline.data import DataError, EvalLoader, TrainLoader, normalize
+from tests.unit.test_data_shards import image_bytes, label_of, write_dataset
+
+SIZES = [3, 9, 5, 12, 11]  # 40 samples in 5 uneven shards
+
+
+@pytest.fixture
+def data(tmp_path):
+    keys = write_dataset(tmp_path, {"train": SIZES, "val": [4, 3]})
+    return DataCfg(path=str(tmp_path), workers=0, shuffle_buffer=8, crop_scale=[0.3, 1.0]), keys
+
+
+def loader(cfg, rank=0, world=2, **kw):
+    args = dict(img_size=16, micro_batch=4, global_batch=8, rank=rank, world_size=world, seed=3, return_keys=True)
+    return TrainLoader(cfg, **{**args, **kw})
+
+
+def epoch(ld):
+    return [(x.clone(), y.clone(), list(k)) for x, y, k in ld]
+
+
+def test_epoch_partitions_dataset_across_ranks(data):
+    cfg, keys = data
+    l0, l1 = loader(cfg, 0), loader(cfg, 1)
+    assert (l0.steps_per_epoch, l0.accum_steps, l0.micro_batches_per_epoch, len(l0)) == (5, 1, 5, 5)
+    b0, b1 = epoch(l0), epoch(l1)
+    assert len(b0) == len(b1) == 5
+    seen = [k for _, _, ks in b0 + b1 for k in ks]
+    assert collections.Counter(seen) == collections.Counter(keys["train"])  # 40 = 5 steps x 8: all once
+    for x, y, ks in b0 + b1:
+        assert x.dtype == torch.uint8 and x.shape == (4, 3, 16, 16) and y.dtype == torch.int64
+        assert y.tolist() == [label_of(k) for k in ks]
+    # next epoch: a new shard permutation and shuffle, same multiset
+    e1 = [k for _, _, ks in epoch(l0) + epoch(l1) for k in ks]
+    assert collections.Counter(e1) == collections.Counter(keys["train"]) and e1 != seen
+
+
+def test_uneven_dataset_drops_tail_per_epoch(tmp_path):
+    keys = write_dataset(tmp_path, {"train": [7, 6, 4, 9, 5]})["train"]  # 31 samples, global batch 8
+    cfg = DataCfg(path=str(tmp_path), workers=0, shuffle_buffer=4)
+    b = [epoch(loader(cfg, r)) for r in (0, 1)]
+    assert len(b[0]) == len(b[1]) == 3  # 31 // 8
+    seen = [k for bs in b for _, _, ks in bs for k in ks]
+    assert len(seen) == len(set(seen)) == 24 and set(seen) <= set(keys)
+
+
+def test_same_seed_same_stream_other_seed_differs(data):
+    cfg, _ = data
+    a, b, c = epoch(loader(cfg)), epoch(loader(cfg)), epoch(loader(cfg, seed=4))
+    assert [k for *_, k in a] == [k for *_, k in b]
+    assert all(torch.equal(x1, x2) for (x1, *_), (x2, *_) in zip(a, b))
+    assert [k for *_, k in a] != [k for *_, k in c]
+
+
+def test_accumulation_and_dataset_smaller_than_global_batch(data):
+    cfg, _ = data
+    ld = loader(cfg, world=1, global_batch=16, micro_batch=4)
+    assert (ld.steps_per_epoch, ld.accum_steps, len(epoch(ld))) == (2, 4, 8)
+    ld = loader(cfg, world=1, global_batch=64, micro_batch=32)
+    assert ld.steps_per_epoch == 1 and len(epoch(ld)) == 2  # 40 < 64: one step, samples wrap
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("k", [0, 3, 5, 6])
+def test_resume_is_bit_exact(data, workers, k):
+    cfg, _ = data
+    cfg = replace(cfg, workers=workers, randaugment="rand-m9-mstd0.5")
+    ref = loader(cfg, 1)
+    want = epoch(ref) + epoch(ref)  # two epochs: 10 micro-batches
+    first = loader(cfg, 1)
+    got = list(itertools.islice(first.forever(), k))
+    sd = first.state_dict()
+    assert sd["epoch"] * 5 + sd["step"] == k and len(got) == k
+    again = loader(cfg, 1, seed=99)  # the state's seed wins
+    again.load_state_dict(sd)
+    rest = list(itertools.islice(again.forever(), 10 - k))
+    for (x1, y1, k1), (x2, y2, k2) in zip(want[k:], rest):
+        assert k1 == k2 and torch.equal(y1, y2) and torch.equal(x1, x2)
+
+
+def test_layout_change_resumes_at_next_epoch(data):
+    cfg, _ = data
+    ld = loader(cfg)
+    next(iter(ld))
+    sd = ld.state_dict()
+    other = loader(cfg, global_batch=16)
+    with pytest.warns(UserWarning, match="different layout"):
+        other.load_state_dict(sd)
+    assert (other.epoch, other.step) == (1, 0)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_bad_samples_skipped_counted_and_padded(tmp_path, workers):
+    keys = write_dataset(tmp_path, {"train": SIZES}, missing_cls={"train_00004"},
+                         bad_image={"train_00010", "train_00020"})["train"]
+    shard = tmp_path / "train-000003.tar"  # 12 samples; cut in the middle
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    cfg = DataCfg(path=str(tmp_path), workers=workers, shuffle_buffer=8)
+    lds = [loader(cfg, r) for r in (0, 1)]
+    with warnings.catch_warnings():  # (emitted in the worker processes when workers > 0)
+        warnings.simplefilter("ignore")
+        batches = [epoch(ld) for ld in lds]
+    assert [len(b) for b in batches] == [5, 5]  # fixed steps despite the losses
+    seen = [k for b in batches for _, _, ks in b for k in ks]
+    assert len(seen) == 40 and "train_00004" not in seen and {"train_00010", "train_00020"}.isdisjoint(seen)
+    assert set(seen) <= set(keys)
+    total = collections.Counter()
+    for ld in lds:
+        total.update(ld.skipped)
+    assert total["corrupt_tar"] == 1 and total["missing_cls"] == 1 and total["undecodable_image"] == 2
+    for b in batches:
+        for _, y, ks in b:
+            assert y.tolist() == [label_of(k) for k in ks]
+
+
+def test_resampled_mode(data):
+    cfg, keys = data
+    cfg = replace(cfg, resampled=True)
+    b = [epoch(loader(cfg, r)) for r in (0, 1)]
+    assert [len(x) for x in b] == [5, 5]
+    seen = [k for bs in b for _, _, ks in bs for k in ks]
+    assert set(seen) <= set(keys["train"]) and len(seen) == 40
+
+
+def test_clear_errors(data, tmp_path):
+    cfg, _ = data
+    with pytest.raises(DataError, match="5 shards, fewer than world size 2 x data.workers 3"):
+        loader(cfg, num_workers=3)
+    loader(replace(cfg, resampled=True), num_workers=3)  # fine with replacement
+    with pytest.raises(DataError, match="not divisible"):
+        loader(cfg, global_batch=12)
+    with pytest.raises(DataError, match="no split 'test'"):
+        loader(cfg, split="test")
+    with pytest.raises(DataError, match="_info.json: not found"):
+        loader(replace(cfg, path=str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="data.randaugment"):
+        loader(replace(cfg, randaugment="auto-m9"))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_eval_exactly_once_across_three_ranks(data, workers):
+    cfg, keys = data
+    cfg = replace(cfg, workers=workers)
+    lds = [EvalLoader(cfg, img_size=16, batch=2, rank=r, world_size=3, return_keys=True) for r in range(3)]
+    assert [ld.num_samples_rank for ld in lds] == [2, 2, 3] and {ld.num_batches for ld in lds} == {2}
+    seen = []
+    for ld in lds:
+        out = list(ld)
+        assert len(out) == ld.num_batches
+        for x, y, m, ks in out:
+            assert x.shape == (2, 3, 16, 16) and x.dtype == torch.uint8
+            assert (y[~m] == -1).all() and (x[~m] == 0).all()
+            seen += [k for k, v in zip(ks, m.tolist()) if v]
+            assert y[m].tolist() == [label_of(k) for k, v in zip(ks, m.tolist()) if v]
+        assert sum(int(m.sum()) for _, _, m, _ in out) == ld.num_samples_rank
+    assert sorted(seen) == sorted(keys["val"])
+
+
+def test_eval_transform_and_undecodable(tmp_path):
+    write_dataset(tmp_path, {"val": [5]}, bad_image={"val_00001"})
+    cfg = DataCfg(path=str(tmp_path), workers=0, eval_crop_pct=0.875)
+    ld = EvalLoader(cfg, img_size=16, batch=4, rank=0, world_size=1)
+    with pytest.warns(UserWarning, match="val_00001"):
+        out = list(ld)
+    assert [m.tolist() for _, _, m in out] == [[True, False, True, True], [True, False, False, False]]
+    assert ld.skipped == {"undecodable_image": 1}
+
+
+def test_transforms_shapes_and_seeding():
+    data = image_bytes(1, "jpg", size=(120, 80))
+    tf = TrainTransform(32, (0.08, 1.0), True, "rand-m9-mstd0.5")
+    a, b, c = tf(data, 5), tf(data, 5), tf(data, 6)
+    assert a.shape == (3, 32, 32) and torch.equal(a, b) and not torch.equal(a, c)
+    for pct in (1.0, 0.875):
+        assert EvalTransform(24, pct)(image_bytes(2, "png", size=(50, 90))).shape == (3, 24, 24)
+
+
+def test_normalize_and_mix(data):
+    cfg, _ = data
+    x = torch.tensor([0, 255], dtype=torch.uint8).view(2, 1, 1, 1).expand(2, 3, 2, 2)
+    n = normalize(x)
+    assert n.dtype == torch.float32 and n[0].eq(-1).all() and n[1].eq(1).all()
+    ld = loader(replace(cfg, label_smoothing=0.1))
+    _, y, _ = next(iter(ld))
+    xx, t = ld.mix(torch.zeros(4, 3, 16, 16), y)
+    assert t.shape == (4, 3) and torch.allclose(t.sum(1), torch.ones(4))
+    assert torch.allclose(t.max(1).values, torch.full((4,), 0.9 + 0.1 / 3))
+    ld = loader(replace(cfg, mixup=0.8, cutmix=1.0))
+    xs, y, _ = next(iter(ld))
+    f = normalize(xs)
+    m1, m2 = ld.mix(f.clone(), y), ld.mix(f.clone(), y)  # same batch position → same mix
+    assert torch.equal(m1[0], m2[0]) and torch.equal(m1[1], m2[1]) and m1[1].shape == (4, 3)
+    assert torch.allclose(m1[1].sum(1), torch.ones(4))

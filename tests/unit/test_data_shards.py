@@ -1,0 +1,121 @@
+"""A tiny `vitp prep`-layout dataset writer (tarfile only) shared by the loader tests, and tests of
+the raw shard reader and `read_info`."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pipeline.data import DataError, _Counts, _read_shard, _segments, read_info
+
+
+def image_bytes(i: int, fmt: str = "jpg", size=(40, 30)) -> bytes:
+    """A small deterministic image whose colours encode ``i``."""
+    rng = np.random.default_rng(i)
+    w, h = size
+    a = (np.linspace(0, 255, w)[None, :, None] + rng.integers(0, 255, (1, 1, 3))) % 256
+    a = np.broadcast_to(a, (h, w, 3)).astype(np.uint8) ^ rng.integers(0, 32, (h, w, 3), dtype=np.uint8)
+    b = io.BytesIO()
+    Image.fromarray(a).save(b, {"jpg": "JPEG", "png": "PNG", "webp": "WEBP"}[fmt])
+    return b.getvalue()
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    tar.addfile(ti, io.BytesIO(data))
+
+
+def write_dataset(root: Path, splits: dict[str, list[int]], num_classes: int = 3, size=(40, 30),
+                  missing_cls: set[str] = frozenset(), bad_image: set[str] = frozenset()) -> dict:
+    """Write ``<split>-NNNNNN.tar`` shards with the given sample counts + ``_info.json`` and
+    ``classes.json``; returns {split: [keys in order]}. Every 3rd sample is a PNG. Samples named in
+    ``missing_cls`` get no .cls, those in ``bad_image`` get garbage image bytes (both still count in
+    shard_lengths, as if the data rotted after prep)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    info_splits, keys, n = {}, {}, 0
+    for split, sizes in splits.items():
+        files, keys[split] = [], []
+        for s, count in enumerate(sizes):
+            fname = f"{split}-{s:06d}.tar"
+            with tarfile.open(root / fname, "w", format=tarfile.USTAR_FORMAT) as tar:
+                for _ in range(count):
+                    key, fmt = f"{split}_{n:05d}", "png" if n % 3 == 2 else "jpg"
+                    if key not in missing_cls:
+                        _add(tar, f"{key}.cls", str(n % num_classes).encode())
+                    img = b"\xff\xd8 not a jpeg" if key in bad_image else image_bytes(n, fmt, size)
+                    _add(tar, f"{key}.{fmt}", img)
+                    _add(tar, f"{key}.json", json.dumps({"key": key}).encode())
+                    keys[split].append(key)
+                    n += 1
+            files.append(fname)
+        info_splits[split] = {"name": split, "num_samples": sum(sizes), "filenames": files, "shard_lengths": sizes}
+    classes = [f"class_{c}" for c in range(num_classes)]
+    (root / "classes.json").write_text(json.dumps(classes))
+    (root / "_info.json").write_text(json.dumps({"splits": info_splits, "num_classes": num_classes}))
+    return keys
+
+
+def label_of(key: str, num_classes: int = 3) -> int:
+    return int(key.rsplit("_", 1)[1]) % num_classes
+
+
+# --------------------------------------------------------------------------------------------------
+def test_read_info(tmp_path):
+    write_dataset(tmp_path, {"train": [3, 5], "val": [4]})
+    info = read_info(tmp_path)
+    assert info.num_classes == 3 and info.classes == ("class_0", "class_1", "class_2")
+    assert info.split("train").num_samples == 8 and info.split("train").lengths == (3, 5)
+    assert info.split("val").urls == (str(tmp_path / "val-000000.tar"),)
+
+
+def test_read_info_errors(tmp_path):
+    with pytest.raises(DataError, match="_info.json: not found"):
+        read_info(tmp_path)
+    write_dataset(tmp_path, {"train": [2, 2], "val": [0]})
+    with pytest.raises(DataError, match="no split 'test'"):
+        read_info(tmp_path).split("test")
+    with pytest.raises(DataError, match="split 'val' is empty"):
+        read_info(tmp_path).split("val")
+    (tmp_path / "train-000001.tar").unlink()
+    with pytest.raises(DataError, match="train-000001.tar which does not exist"):
+        read_info(tmp_path)
+
+
+def test_read_shard_ranges_and_bad_samples(tmp_path):
+    keys = write_dataset(tmp_path, {"train": [6]}, missing_cls={"train_00001"}, bad_image={"train_00004"})["train"]
+    url = str(tmp_path / "train-000000.tar")
+    c = _Counts()
+    got = [(k, lab) for k, _, lab in _read_shard(url, c, 0, None, num_classes=3)]
+    assert [k for k, _ in got] == [k for k in keys if k != "train_00001"]
+    assert all(lab == label_of(k) for k, lab in got) and c == {"missing_cls": 1}
+    # indices count valid samples only: [1, 3) → 3rd and 4th valid sample
+    assert [k for k, _, _ in _read_shard(url, _Counts(), 1, 3, num_classes=3)] == ["train_00002", "train_00003"]
+    # label outside num_classes
+    c = _Counts()
+    assert len(list(_read_shard(url, c, 0, None, num_classes=2))) == 3 and c["bad_cls"] == 2
+
+
+def test_read_shard_cut_off(tmp_path):
+    write_dataset(tmp_path, {"train": [8]})
+    url = tmp_path / "train-000000.tar"
+    data = url.read_bytes()
+    for cut in (len(data) // 2, len(data) - 10240 + 512 * 3, 700):
+        url.write_bytes(data[:cut])
+        c = _Counts()
+        with pytest.warns(UserWarning, match="shard"):
+            n = len(list(_read_shard(str(url), c, 0, None, num_classes=3)))
+        assert n < 8 and c == {"corrupt_tar": 1}, (cut, n, c)
+
+
+def test_segments_cover_cyclic_sequence():
+    lengths, order = [3, 5, 2], [2, 0, 1]  # sequence: s2[0:2] s0[0:3] s1[0:5]
+    assert _segments(lengths, order, 1, 5) == [(2, 1, 2), (0, 0, 3), (1, 0, 1)]
+    assert _segments(lengths, order, 8, 4) == [(1, 3, 5), (2, 0, 2)]  # wraps around

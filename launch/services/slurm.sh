@@ -14,8 +14,12 @@
 #                          (sbatch, squeue, scancel, scontrol) read that same variable, so the default
 #                          needs nothing exported; a custom path must be exported to them too.
 #   VITP_SLURM_TIMEOUT     seconds to wait for the nodes to become idle (default 60)
-#   VITP_SLURMCTLD_PORT    slurmctld port (default 17000); the slurmds use 17001-17002
+#   VITP_SLURMCTLD_PORT    slurmctld port (default 17000)
+#   VITP_SLURMD_PORT       first slurmd port (default 17001; node2 uses the next one)
 #   VITP_SLURM_NODE_CPUS   CPUs each node advertises (default 4; both nodes share this host's cores)
+#
+# A second, isolated cluster (e.g. to test `down` while another one serves) needs its own
+# VITP_SERVICES_DIR, SLURM_CONF and ports; node names and everything else stay the same.
 #
 # The config is marked as ours; `up` refuses to overwrite a slurm.conf it did not write, so a real
 # cluster's config is never clobbered.
@@ -27,6 +31,7 @@ SDIR="$VITP_SERVICES_DIR/slurm"
 CONF="${SLURM_CONF:-/etc/slurm/slurm.conf}"
 TIMEOUT="${VITP_SLURM_TIMEOUT:-60}"
 CTLD_PORT="${VITP_SLURMCTLD_PORT:-17000}"
+SLURMD_PORT="${VITP_SLURMD_PORT:-17001}"
 NODE_CPUS="${VITP_SLURM_NODE_CPUS:-4}"
 NODES=(node1 node2)
 MARKER="# vitp local test cluster (written by launch/services/slurm.sh)"
@@ -75,7 +80,7 @@ $MARKER
 ClusterName=vitp
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
-SlurmdPort=17001
+SlurmdPort=$SLURMD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -107,7 +112,7 @@ SlurmdTimeout=300
 SlurmctldTimeout=120
 InactiveLimit=0
 Waittime=0
-NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=17001-17002 CPUs=$NODE_CPUS RealMemory=8000 State=UNKNOWN
+NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + 1)) CPUs=$NODE_CPUS RealMemory=8000 State=UNKNOWN
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
 EOF
     mv "$CONF.tmp" "$CONF"

@@ -1,12 +1,13 @@
-"""The local SLURM cluster is real: a submitit job spans both slurmd nodes, one task on each."""
+"""The local SLURM cluster is real: a submitit job spans both slurmd nodes, one task on each.
+
+Fixture `slurm_cluster` comes from tests/services.py via tests/conftest.py.
+"""
 
 from __future__ import annotations
 
 import time
 
 import pytest
-
-from tests.services import slurm_cluster  # noqa: F401  (fixture)
 
 submitit = pytest.importorskip("submitit")
 
@@ -21,7 +22,7 @@ def _poll_done(job, timeout_s: float) -> None:
 
 
 @pytest.mark.slurm
-def test_two_node_job_gets_one_rank_per_node(slurm_cluster, tmp_path):  # noqa: F811
+def test_two_node_job_gets_one_rank_per_node(slurm_cluster, tmp_path):
     def whereami():
         import os
 

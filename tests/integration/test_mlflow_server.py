@@ -1,4 +1,7 @@
-"""The MLflow tracking server is real: what a run logs comes back exactly, and survives a restart."""
+"""The MLflow tracking server is real: what a run logs comes back exactly, and survives a restart.
+
+Fixture `mlflow_server` comes from tests/services.py via tests/conftest.py.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import uuid
 
 import pytest
 
-from tests.services import mlflow_server, mlflow_start, mlflow_stop  # noqa: F401  (fixture)
+from tests.services import mlflow_start, mlflow_stop
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking")
 
@@ -44,7 +47,7 @@ def _assert_run(client, run_id, tmp_path) -> None:
 
 
 @pytest.mark.mlflow_server
-def test_run_round_trips_through_server(mlflow_server, tmp_path):  # noqa: F811
+def test_run_round_trips_through_server(mlflow_server, tmp_path):
     client = mlflow_tracking.MlflowClient(tracking_uri=mlflow_server)
     run_id = _log_run(client, tmp_path)
     _assert_run(client, run_id, tmp_path)
@@ -52,7 +55,7 @@ def test_run_round_trips_through_server(mlflow_server, tmp_path):  # noqa: F811
 
 @pytest.mark.mlflow_server
 @pytest.mark.slow
-def test_run_survives_server_restart(mlflow_server, tmp_path, monkeypatch):  # noqa: F811
+def test_run_survives_server_restart(mlflow_server, tmp_path, monkeypatch):
     # The client retries a dead server with backoff for minutes by default; one quick try proves "down".
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

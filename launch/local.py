@@ -1,0 +1,83 @@
+"""Run a `vitp` command as N local processes (the multi-rank CPU runs of tests and the demo).
+
+Each process gets the torch.distributed variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT on a free port) and DS_ACCELERATOR=cpu when there is no GPU. If one rank
+fails or is killed, the others are terminated (a rank waiting in a collective would hang until
+its timeout) and that rank's exit code is returned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def run_local(argv: list[str], nprocs: int, *, env: dict | None = None, timeout: float | None = None) -> int:
+    """Run ``python -m launch.cli *argv`` as ``nprocs`` ranks; 0 if all succeed, else the first failure's
+    code (negative: killed by that signal; 124: ``timeout`` seconds passed)."""
+    base = dict(os.environ)
+    base.update(env or {})
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nprocs),
+                LOCAL_WORLD_SIZE=str(nprocs))
+    base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")]))
+    if not _has_cuda():
+        base.setdefault("DS_ACCELERATOR", "cpu")
+    if nprocs >= 2:  # ranks share the cores: one intra-op thread each avoids oversubscription
+        base.setdefault("OMP_NUM_THREADS", "1")
+    procs = []
+    for r in range(nprocs):
+        e = dict(base, RANK=str(r), LOCAL_RANK=str(r))
+        procs.append(subprocess.Popen([sys.executable, "-m", "launch.cli", *argv], env=e, cwd=os.getcwd()))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    code = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                code = failed[0]
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                code = 124
+                break
+            time.sleep(0.2)  # polling a handful of children; not synchronisation of results
+    finally:
+        _stop_all(procs)
+    return code
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    t = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, t - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

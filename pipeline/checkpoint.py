@@ -1,0 +1,276 @@
+"""Checkpoints that count only when complete, resume, and weight export.
+
+Layout under ``RUN_DIR/checkpoints/``::
+
+    tmp-step-00000040/          being written (DeepSpeed files from every rank + our per-rank extras)
+    step-00000040/              published: rank 0 wrote manifest.json, then renamed tmp-… → step-…
+        mp_rank_00_model_states.pt, *_optim_states.pt    DeepSpeed (model + optimizer, all ranks)
+        vitp_rank0.pt, vitp_rank1.pt                      RNG states + loader position per rank
+        manifest.json                                     step, world size, run id, model + run config
+    LATEST                      name of the newest published checkpoint (written atomically)
+
+DeepSpeed's own ``latest`` file is not written: it appears before every rank has finished. A
+checkpoint exists iff its ``step-*`` folder exists with a manifest (a rename is atomic), so a job
+killed mid-save leaves only a ``tmp-*`` folder that resume ignores and the next save deletes.
+
+Our extras are read with torch.load(weights_only=True) and JSON; DeepSpeed reads its own files with
+torch.load(weights_only=False) (deepspeed 0.19.8), so only load checkpoints you wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+_PREFIX, _TMP = "step-", "tmp-step-"
+
+
+def root(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def tag_for(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Published checkpoints of a run, oldest first."""
+    r = root(run_dir)
+    if not r.is_dir():
+        return []
+    found = [p for p in r.iterdir() if p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
+             and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    ckpts = complete_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def read_manifest(ckpt: str | os.PathLike) -> dict:
+    return json.loads((Path(ckpt) / MANIFEST).read_text())
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Test-only fault injection, read in this one place
+# --------------------------------------------------------------------------------------------------
+def maybe_fault(event: str, step: int) -> None:
+    """SIGKILL this rank when a test asks for it: VITP_TEST_KILL_AT_STEP=k (before step k runs) or
+    VITP_TEST_KILL_DURING_SAVE=k (after writing checkpoint k's files, before publishing it), on rank
+    VITP_TEST_KILL_RANK (default 1). Costs one dict lookup when unset."""
+    var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE"}[event]
+    at = os.environ.get(var)
+    if at is None or int(at) != step:
+        return
+    if int(os.environ.get("RANK", 0)) == int(os.environ.get("VITP_TEST_KILL_RANK", 1)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG + loader state (per rank): tensors, ints, strings only, so weights_only loading works
+# --------------------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "python": {"version": py_state[0], "state": torch.tensor(py_state[1], dtype=torch.int64),
+                   "gauss": json.dumps(py_state[2])},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), json.loads(p["gauss"])))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Save / resume (collective: call on every rank)
+# --------------------------------------------------------------------------------------------------
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, manifest: dict,
+         keep: int) -> Path:
+    """Write checkpoint ``step`` on every rank, then publish it atomically; keep the newest ``keep``.
+
+    manifest: JSON-able facts rank 0 records (config, model config, MLflow run id, ...).
+    """
+    from pipeline import engine as eng
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    r = root(run_dir)
+    tmp, final = r / f"{_TMP}{step:08d}", r / tag_for(step)
+    if rank == 0:
+        r.mkdir(parents=True, exist_ok=True)
+        for stale in r.glob(f"{_TMP}*"):  # left by a job killed while saving
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # re-saving a step (e.g. the final save right after a periodic one)
+            shutil.rmtree(final)
+    _barrier()
+    eng.save_checkpoint(engine, str(r), tmp.name)
+    extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_state(),
+              "loader": json.dumps(loader_state)}
+    part = tmp / f".vitp_rank{rank}.pt.tmp"
+    torch.save(extras, part)
+    os.replace(part, tmp / f"vitp_rank{rank}.pt")
+    maybe_fault("save", step)
+    _barrier()  # every rank's files are on disk
+    if rank == 0:
+        doc = dict(manifest, step=step, world_size=world, saved_at=time.time(),
+                   files=sorted(p.name for p in tmp.iterdir()))
+        _atomic_write(tmp / MANIFEST, json.dumps(doc, indent=1))
+        os.replace(tmp, final)
+        _atomic_write(r / "LATEST", final.name + "\n")
+        for old in complete_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
+    _barrier()
+    return final
+
+
+def universal_for(ckpt: Path, world: int) -> Path | None:
+    """If ``ckpt`` was written by a different number of ranks, convert it (rank 0) to DeepSpeed's
+    universal format and return that folder; None when the world size matches."""
+    from pipeline import engine as eng
+    from launch.distributed import rank0_print
+
+    saved = read_manifest(ckpt)["world_size"]
+    if saved == world:
+        return None
+    if read_manifest(ckpt).get("zero_stage", 1) == 0:
+        raise RuntimeError(f"{ckpt}: written by {saved} ranks without ZeRO; resume it on {saved} ranks "
+                           f"(universal conversion needs engine.zero_stage >= 1)")
+    out = ckpt.with_name(ckpt.name + ".universal")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0 and not (out / "done").is_file():
+        rank0_print(f"checkpoint {ckpt.name} was written by {saved} ranks, resuming on {world}: converting "
+                    f"it to a universal checkpoint (deepspeed.checkpoint.ds_to_universal) in {out.name}")
+        shutil.rmtree(out, ignore_errors=True)
+        eng.to_universal(str(ckpt), str(out))
+        (out / "done").write_text("ok\n")
+    _barrier()
+    return out
+
+
+def resume(engine, ckpt: Path, universal: Path | None = None) -> dict:
+    """Load model + optimizer (DeepSpeed), this rank's RNG and loader state from ``ckpt``.
+
+    Returns {"step", "loader", "manifest"}. With ``universal`` (a world-size change) the DeepSpeed
+    state comes from the converted folder and every rank takes rank 0's RNG state.
+    """
+    from pipeline import engine as eng
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    src = universal or ckpt
+    eng.load_checkpoint(engine, str(src.parent), src.name)
+    mine = ckpt / f"vitp_rank{rank}.pt"
+    extras = torch.load(mine if mine.is_file() and universal is None else ckpt / "vitp_rank0.pt",
+                        map_location="cpu", weights_only=True)
+    set_rng_state(extras["rng"])
+    return {"step": int(extras["step"]), "loader": json.loads(extras["loader"]), "manifest": read_manifest(ckpt)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights for other stages and export (no DeepSpeed engine needed)
+# --------------------------------------------------------------------------------------------------
+def _read_safetensors(path: Path) -> tuple[dict, dict | None]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    return sd, json.loads(meta["config"]) if "config" in meta else None
+
+
+def load_checkpoint_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Consolidated fp32 weights + model config (build_vit kwargs) from a pre-training output.
+
+    path: a run dir (its model.safetensors, else its newest checkpoint), a ``step-*`` checkpoint
+    folder (any ZeRO stage) or a vitp .safetensors file.
+    """
+    p = Path(path)
+    if p.is_file():
+        return _read_safetensors(p)
+    if (p / "model.safetensors").is_file():
+        return _read_safetensors(p / "model.safetensors")
+    if not (p / MANIFEST).is_file():
+        latest = latest_checkpoint(p)
+        if latest is None:
+            raise FileNotFoundError(f"{p}: no model.safetensors and no complete checkpoint in it")
+        p = latest
+    from pipeline import engine as eng
+
+    return eng.fp32_state_dict(str(p)), read_manifest(p).get("model_config")
+
+
+def save_weights(sd: dict[str, torch.Tensor], model_config: dict | None, path: str | os.PathLike,
+                 *, fmt: str = "vitp") -> Path:
+    """fp32 state dict → safetensors; fmt "vitp" adds the metadata pipeline.model.load_pretrained reads."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    meta = {"format": fmt if fmt == "vitp" else "pt"}
+    if model_config is not None:
+        meta["config"] = json.dumps(model_config)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({k: v.detach().cpu().float().contiguous() for k, v in sd.items()}, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return path
+
+
+def export_main(argv: list[str]) -> int:
+    from launch.cli import parser_for
+
+    p = parser_for("export", "export consolidated fp32 weights of a run or checkpoint (any ZeRO stage)")
+    p.add_argument("checkpoint", help="a run dir, a checkpoints/step-* folder or a .safetensors file")
+    p.add_argument("--format", choices=["safetensors", "timm"], default="safetensors",
+                   help="vitp names (safetensors) or timm VisionTransformer names (timm, also safetensors)")
+    p.add_argument("out", help="output file, e.g. model.safetensors")
+    args = p.parse_args(argv)
+    try:
+        sd, model_config = load_checkpoint_weights(args.checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    if args.format == "timm":
+        from pipeline.model.convert import vitp_to_timm
+
+        sd, model_config = vitp_to_timm(sd), None
+    save_weights(sd, model_config, args.out, fmt="vitp" if args.format == "safetensors" else "pt")
+    n = sum(v.numel() for v in sd.values())
+    print(f"wrote {args.out}: {len(sd)} tensors, {n / 1e6:.2f}M parameters ({args.format})")
+    return 0

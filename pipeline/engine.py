@@ -1,0 +1,228 @@
+"""DeepSpeed, behind a small surface: the only module that imports deepspeed.
+
+The typed config is the one source of batch size, accumulation, precision and ZeRO stage;
+:func:`deepspeed_config` turns it into DeepSpeed's JSON. The optimizer is a plain torch one (AdamW,
+fused on CUDA; or SGD with momentum for transfer) built from param groups, so the transfer stage
+can pass its own groups (layer-wise lr decay via a per-group ``lr_scale``). The learning rate is set
+by the caller every step (:func:`set_lr`), so a schedule's whole state is the step number.
+
+Checkpoint files are DeepSpeed's own (every rank writes its ZeRO partition); publishing them
+atomically is pipeline/checkpoint.py's job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import io
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+
+import deepspeed  # noqa: E402  (after DS_ACCELERATOR: DeepSpeed picks its accelerator at import)
+from deepspeed.checkpoint import constants as ds_constants  # noqa: E402
+
+# DeepSpeed logs every checkpoint file at INFO; keep the console to our own lines.
+deepspeed.utils.logger.setLevel("WARNING")
+
+
+def backend_for(cfg) -> str:
+    """"auto" → nccl on GPUs, gloo on CPU."""
+    if cfg.engine.backend != "auto":
+        return cfg.engine.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(cfg) -> None:
+    """Join the process group (rank/world/master from the environment; idempotent).
+
+    A single process with no launcher still gets a 1-rank group: DeepSpeed needs one.
+    """
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend=backend_for(cfg), auto_mpi_discovery=False,
+                               timeout=timedelta(seconds=cfg.engine.dist_timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grad_accumulation(cfg, world_size: int) -> int:
+    t = cfg.train
+    return t.global_batch // (t.micro_batch * world_size)
+
+
+def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> dict:
+    """The DeepSpeed JSON for ``cfg`` on ``world_size`` ranks.
+
+    train_batch_size = micro_batch x gradient_accumulation_steps x world_size, by construction.
+    """
+    e, t = cfg.engine, cfg.train
+    zero: dict = {"stage": e.zero_stage}
+    if e.zero_stage >= 1:
+        zero.update(contiguous_gradients=True, overlap_comm=torch.cuda.is_available(),
+                    reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
+    if e.zero_stage == 3:
+        zero.update(stage3_param_persistence_threshold=int(1e5), stage3_prefetch_bucket_size=int(5e7),
+                    stage3_gather_16bit_weights_on_model_save=False)
+    if e.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if e.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_batch_size": t.global_batch,
+        "train_micro_batch_size_per_gpu": t.micro_batch,
+        "gradient_accumulation_steps": grad_accumulation(cfg, world_size),
+        "gradient_clipping": float(cfg.optim.clip_grad),
+        "zero_optimization": zero,
+        "bf16": {"enabled": e.precision == "bf16"},
+        "fp16": {"enabled": e.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        # our optimizer is torch's (DeepSpeed's CPU Adam needs a compiled op)
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "checkpoint": {"load_universal": load_universal},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def default_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only; biases, norms, the class token and position embeddings are not decayed."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or name.endswith(("pos_embed", "cls_token")) else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def make_optimizer(param_groups: list[dict], cfg) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(param_groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    fused = torch.cuda.is_available() and not cfg.engine.offload_optimizer
+    return torch.optim.AdamW(param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                             weight_decay=o.weight_decay, fused=fused or None)
+
+
+def build_engine(model: torch.nn.Module, cfg, param_groups: list[dict] | None = None, *,
+                 load_universal: bool = False):
+    """Wrap ``model`` in a DeepSpeed engine with a torch optimizer over ``param_groups``.
+
+    param_groups: torch-style groups; an optional ``lr_scale`` key multiplies the lr that
+    :func:`set_lr` sets (layer-wise lr decay). Default: AdamW-style decay / no-decay groups.
+    """
+    init_distributed(cfg)
+    if cfg.model.grad_checkpointing and hasattr(model, "set_grad_checkpointing"):
+        model.set_grad_checkpointing(True)
+    groups = param_groups if param_groups is not None else default_param_groups(model, cfg.optim.weight_decay)
+    ds_cfg = deepspeed_config(cfg, dist.get_world_size(), load_universal=load_universal)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(groups, cfg),
+                                           config=ds_cfg, dist_init_required=False)
+    return engine
+
+
+def set_lr(engine, lr: float) -> None:
+    for g in engine.optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)
+
+
+def grad_norm(engine) -> float:
+    """Global grad norm of the last optimizer step (before clipping); nan if unknown."""
+    n = engine.get_global_grad_norm()
+    return float(n) if n is not None else float("nan")
+
+
+def input_dtype(cfg) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.engine.precision, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoint files
+# --------------------------------------------------------------------------------------------------
+def save_checkpoint(engine, save_dir: str, tag: str, client_state: dict | None = None) -> None:
+    """Collective: every rank writes its part of ``save_dir/tag``. No `latest` file is written."""
+    state = dict(client_state or {})
+    # lets deepspeed.checkpoint.ds_to_universal convert it later (world-size changes)
+    state[ds_constants.UNIVERSAL_CHECKPOINT_INFO] = {
+        ds_constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: ds_constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+    with _quiet():
+        engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
+
+
+def load_checkpoint(engine, load_dir: str, tag: str) -> dict:
+    """Collective: load model + optimizer from ``load_dir/tag``; returns DeepSpeed's client state.
+
+    Note: DeepSpeed reads its files with torch.load(weights_only=False); only load our own.
+    """
+    with _quiet():
+        path, client = engine.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
+    if path is None:
+        raise RuntimeError(f"{os.path.join(load_dir, tag)}: DeepSpeed could not load this checkpoint")
+    return client or {}
+
+
+def saved_world_size(ckpt_dir: str) -> int:
+    """Data-parallel ranks that wrote ``ckpt_dir`` (one ZeRO optimizer file each; 1 without ZeRO)."""
+    return max(1, len(glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt"))))
+
+
+def to_universal(ckpt_dir: str, out_dir: str) -> None:
+    """Convert a DeepSpeed checkpoint to the world-size-independent universal format."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=ckpt_dir, output_folder=out_dir, num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=True)
+    with _quiet():
+        ds_to_universal.main(args)
+
+
+def fp32_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """Consolidated fp32 weights from a DeepSpeed checkpoint folder (any ZeRO stage), no engine needed.
+
+    ZeRO 1-3 keep the fp32 master weights in the optimizer partitions: zero_to_fp32 joins them.
+    Stage 0 has no partitions: the module state in the model file is the weights.
+    """
+    parent, tag = os.path.split(os.path.normpath(ckpt_dir))
+    if glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with _quiet():
+            sd = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+    else:
+        files = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt")))
+        if not files:
+            raise FileNotFoundError(f"{ckpt_dir}: no DeepSpeed model states in this folder")
+        sd = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    return {k: v.detach().float().contiguous() for k, v in sd.items()}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DeepSpeed prints per-file progress (and tqdm bars); keep our console readable."""
+    if os.environ.get("VITP_DS_VERBOSE"):
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield

@@ -1,0 +1,351 @@
+"""Upstream pre-training: ``pretrain(cfg) -> Result``, the same under run_local, torchrun, deepspeed
+or a SLURM task (rank/world come from the environment).
+
+One optimizer step = ``accum`` micro batches per rank (global batch = micro x accum x world).
+Once in a while: log (console, RUN_DIR/metrics.jsonl, MLflow), evaluate on the val split, save a
+checkpoint. A stop request (pipeline.stopping: preemption, time limit) is agreed by all ranks at a
+step boundary, checkpointed and returned as status "stopped". A non-finite loss stops before the
+optimizer step, saving nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from launch.distributed import dist_env, export_env, rank0_print
+from pipeline import checkpoint as ckpt_lib
+from pipeline import engine as eng_lib
+from pipeline import stopping
+from pipeline.config import Config, ConfigError, flatten, to_yaml, write_resolved
+from pipeline.schedule import lr_for
+from pipeline.tracking import loss_curve_png, start_tracking
+
+
+@dataclass
+class Result:
+    status: str  # "completed" | "stopped"
+    step: int
+    run_dir: str
+    reason: str | None = None
+    loss: float | None = None  # mean loss of the last logged window
+    val_top1: float | None = None
+    weights: str | None = None  # RUN_DIR/model.safetensors when completed
+    mlflow_run_id: str | None = None
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class RunDirError(RuntimeError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Pieces the loop uses
+# --------------------------------------------------------------------------------------------------
+def data_module(cfg: Config):
+    """pipeline.synthetic for ``data.path=synthetic:...``, else the shard reader pipeline.data."""
+    from pipeline import synthetic
+
+    if synthetic.is_synthetic(cfg.data.path):
+        return synthetic
+    if not cfg.data.path:
+        raise ConfigError("data.path: empty; give a `vitp prep` output folder (or synthetic: for a smoke run)")
+    from pipeline import data
+
+    return data
+
+
+def num_classes_of(cfg: Config, data) -> int:
+    if cfg.model.num_classes:
+        return cfg.model.num_classes
+    info = data.read_info(cfg.data.path)
+    return int(info.get("num_classes") or len(info["classes"]))
+
+
+def model_kwargs(cfg: Config, num_classes: int) -> dict:
+    """build_vit keyword arguments from the model section (explicit dims override the variant)."""
+    m = cfg.model
+    kw = dict(img_size=m.img_size, num_classes=num_classes, pool=m.pool, class_token=m.class_token,
+              representation_size=m.representation_size, dropout=m.dropout,
+              attn_dropout=m.attn_dropout, drop_path=m.drop_path)
+    kw.update({k: getattr(m, k) for k in ("width", "depth", "heads", "mlp_dim", "patch")
+               if getattr(m, k) is not None})
+    return kw
+
+
+def loss_fn(cfg: Config, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """logits [B, K] (fp32), labels [B] → scalar. "sigmoid": the paper's per-class sigmoid
+    cross-entropy, summed over classes, averaged over the batch."""
+    if cfg.train.loss == "sigmoid":
+        target = F.one_hot(labels, logits.shape[-1]).to(logits.dtype)
+        return F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean()
+    return F.cross_entropy(logits, labels, label_smoothing=cfg.data.label_smoothing)
+
+
+def prepare_run_dir(cfg: Config, rank: int) -> Path | None:
+    """The checkpoint to resume from, if any; refuses to reuse a foreign non-empty run dir.
+
+    Every rank decides the same from the shared filesystem; only rank 0 deletes (run.fresh=true).
+    """
+    run_dir = Path(cfg.run.dir)
+    latest = ckpt_lib.latest_checkpoint(run_dir)
+    entries = [p.name for p in run_dir.iterdir()] if run_dir.is_dir() else []
+    if cfg.run.fresh:
+        dist.barrier()  # everyone has looked before rank 0 deletes
+        if rank == 0 and entries:
+            print(f"run.fresh=true: starting over in {run_dir} (deleting its checkpoints and metrics)", flush=True)
+            shutil.rmtree(ckpt_lib.root(run_dir), ignore_errors=True)
+            for name in ("metrics.jsonl", "model.safetensors", "loss_curve.png", "mlflow_spool.jsonl"):
+                (run_dir / name).unlink(missing_ok=True)
+        dist.barrier()
+        return None
+    if latest is not None:
+        return latest
+    ours = run_dir / "config.yaml"
+    if entries and not (ours.is_file() and ours.read_text() == to_yaml(cfg)):
+        raise RunDirError(f"run.dir {run_dir} is not empty and holds no complete checkpoint of this config; "
+                          "pass run.fresh=true to start over there, or choose another run.dir")
+    return None  # empty, or an earlier attempt of this very run that died before its first checkpoint
+
+
+def keep_metrics_up_to(path: Path, step: int) -> list[dict]:
+    """Drop metrics.jsonl records after ``step`` (a resume re-runs them); return the kept ones."""
+    if not path.is_file():
+        return []
+    kept = [r for r in map(json.loads, filter(str.strip, path.read_text().splitlines())) if r["step"] <= step]
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+    return kept
+
+
+@torch.no_grad()
+def evaluate(engine, cfg: Config, data, device, dtype) -> dict:
+    """Top-1 and loss on the val split, each sample once: ranks sum (correct, loss, count).
+
+    Ranks with fewer batches run dummy ones so every rank makes the same number of forward calls
+    (ZeRO-3 gathers parameters collectively inside forward).
+    """
+    d = dist_env()
+    loader = data.EvalLoader(cfg.data, img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=d.rank,
+                             world_size=d.world_size, split=cfg.data.val_split)
+    engine.eval()
+    sums = torch.zeros(3, dtype=torch.float64)
+    it = iter(loader)
+    while True:
+        batch = next(it, None)
+        more = torch.tensor([float(batch is not None)])
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not more.item():
+            break
+        if batch is None:
+            x = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size, dtype=torch.uint8)
+        else:
+            x, y = batch
+        logits = engine(data.normalize(x).to(device, dtype)).float()
+        if batch is not None:
+            y = y.to(device)
+            sums += torch.tensor([(logits.argmax(-1) == y).sum().item(),
+                                  loss_fn(cfg, logits, y).item() * len(y), len(y)], dtype=torch.float64)
+    dist.all_reduce(sums)
+    engine.train()
+    n = max(sums[2].item(), 1.0)
+    return {"val_top1": sums[0].item() / n, "val_loss": sums[1].item() / n, "val_n": int(sums[2].item())}
+
+
+def memory_gb() -> dict:
+    import psutil
+
+    out = {"rss_gb": psutil.Process().memory_info().rss / 2**30}
+    if torch.cuda.is_available():
+        out["cuda_max_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def step_flops(model, cfg: Config, images_per_rank: int) -> float:
+    try:
+        from pipeline.model.flops import train_step_flops
+
+        return float(train_step_flops(model.config, batch=images_per_rank,
+                                      grad_checkpointing=cfg.model.grad_checkpointing))
+    except Exception:  # MFU is a nicety; a model the counter does not know just reports none
+        return float("nan")
+
+
+# --------------------------------------------------------------------------------------------------
+# The stage
+# --------------------------------------------------------------------------------------------------
+def pretrain(cfg: Config) -> Result:
+    d = dist_env()
+    export_env(d)
+    eng_lib.init_distributed(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = Path(cfg.run.dir)
+    resume_from = prepare_run_dir(cfg, rank)
+    data = data_module(cfg)
+
+    # model: identical initialisation on every rank, then per-rank randomness (dropout)
+    from pipeline.model import build_vit
+
+    torch.manual_seed(cfg.seed)
+    model = build_vit(cfg.model.name, **model_kwargs(cfg, num_classes_of(cfg, data)))
+    torch.manual_seed(cfg.seed * 1000 + rank)
+    universal = ckpt_lib.universal_for(resume_from, world) if resume_from else None
+    engine = eng_lib.build_engine(model, cfg, load_universal=universal is not None)
+    device, dtype = engine.device, eng_lib.input_dtype(cfg)
+    accum = eng_lib.grad_accumulation(cfg, world)
+    loader = data.TrainLoader(cfg.data, img_size=cfg.model.img_size, micro_batch=cfg.train.micro_batch,
+                              global_batch=cfg.train.global_batch, rank=rank, world_size=world, seed=cfg.seed)
+
+    step, run_id, history = 0, None, []
+    metrics_path = run_dir / "metrics.jsonl"
+    if resume_from is not None:
+        state = ckpt_lib.resume(engine, resume_from, universal)
+        step, run_id = state["step"], state["manifest"].get("mlflow_run_id")
+        loader.load_state_dict(state["loader"])
+        rank0_print(f"resuming from {resume_from} (step {step}, saved by {state['manifest']['world_size']} ranks)")
+    if rank == 0:
+        write_resolved(cfg, run_dir)
+        history = keep_metrics_up_to(metrics_path, step)
+    tracker = start_tracking(cfg, run_dir, rank=rank, world_size=world, stage="pretrain", run_id=run_id,
+                             params=None if run_id else flatten(cfg))
+    n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
+    rank0_print(f"pretrain: {world} rank(s), ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
+                f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} x {accum} accum x {world}, "
+                f"steps {step}->{cfg.train.steps}" + (f", {n_params / 1e6:.2f}M params" if n_params else ""))
+
+    def save(at_step: int) -> Path:
+        manifest = {"config": json.loads(json.dumps(flatten(cfg))), "model_config": model.config,
+                    "zero_stage": cfg.engine.zero_stage, "precision": cfg.engine.precision,
+                    "mlflow_run_id": tracker.run_id}
+        return ckpt_lib.save(engine, run_dir, at_step, loader_state=loader.state_dict(), manifest=manifest,
+                             keep=cfg.checkpoint.keep)
+
+    def log(record: dict) -> None:
+        if rank == 0:
+            history.append(record)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            tracker.log_metrics({k: v for k, v in record.items() if k != "step"}, record["step"])
+
+    flops = step_flops(model, cfg, cfg.train.micro_batch * accum)
+    window = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count over logged steps
+    t_window, steps_window, saved_at, last = time.perf_counter(), 0, None, {}
+    batches = iter(loader)
+    engine.train()
+    while step < cfg.train.steps:
+        ckpt_lib.maybe_fault("step", step + 1)
+        lr = lr_for(cfg, step)
+        eng_lib.set_lr(engine, lr)
+
+        # forward/backward over the micro batches; DeepSpeed averages and reduces the gradients
+        local = torch.zeros(3, dtype=torch.float64)
+        for m in range(accum):
+            images, labels = next(batches)
+            labels = labels.to(device)
+            logits = engine(data.normalize(images).to(device, dtype)).float()
+            loss = loss_fn(cfg, logits, labels)
+            engine.backward(loss)
+            if m < accum - 1:
+                engine.step()  # not a boundary: DeepSpeed only counts the micro step
+            local += torch.tensor([loss.item() * len(labels), (logits.argmax(-1) == labels).sum().item(),
+                                   len(labels)], dtype=torch.float64)
+
+        # one small all-reduce a step: any rank asking to stop, any rank with a non-finite loss
+        flags = torch.tensor([float(stopping.stop_reason() is not None), float(not math.isfinite(local[0]))])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1]:
+            good = ckpt_lib.latest_checkpoint(run_dir)
+            tracker.close(timeout=10.0)
+            raise NonFiniteLoss(f"step {step + 1}: non-finite loss (lr {lr:.3g}); stopped before the optimizer "
+                                f"step, nothing saved; last complete checkpoint: {good or 'none'}")
+        engine.step()  # the boundary: clip, optimizer update
+        step += 1
+        window += local
+        steps_window += 1
+
+        record = {}
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            dist.all_reduce(window)
+            dt = (time.perf_counter() - t_window) / steps_window
+            record.update(loss=window[0].item() / window[2].item(), top1=window[1].item() / window[2].item(),
+                          lr=lr, grad_norm=eng_lib.grad_norm(engine),
+                          images_per_s=cfg.train.global_batch / dt, step_s=dt,
+                          mfu=flops / dt / (cfg.hardware.peak_tflops * 1e12), skipped=getattr(loader, "skipped", 0),
+                          **memory_gb())
+            rank0_print(f"step {step:>7d}/{cfg.train.steps}  loss {record['loss']:.4f}  top1 {record['top1']:.3f}  "
+                        f"lr {lr:.2e}  gnorm {record['grad_norm']:.3f}  {record['images_per_s']:.1f} img/s  "
+                        f"mfu {record['mfu']:.1%}  rss {record['rss_gb']:.1f}G")
+            window.zero_()
+        if cfg.data.val_split and cfg.train.eval_every and step % cfg.train.eval_every == 0:
+            record.update(evaluate(engine, cfg, data, device, dtype))
+            rank0_print(f"step {step:>7d}  val top1 {record['val_top1']:.4f}  ({record['val_n']} images)")
+        if record:
+            log({"step": step, **record, "time": time.time()})
+            last.update(record)
+
+        if flags[0]:
+            reason = stopping.stop_reason() or "requested by another rank"
+            path = save(step)
+            rank0_print(f"stopping at step {step} ({reason}); checkpoint {path}")
+            tracker.close()
+            return Result("stopped", step, str(run_dir), reason=reason, loss=last.get("loss"),
+                          mlflow_run_id=tracker.run_id)
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
+            save(step)
+            saved_at = step
+        if record or saved_at == step:  # eval, logging and saving are not training time
+            t_window, steps_window = time.perf_counter(), 0
+
+    # the end: final checkpoint, final eval, consolidated fp32 weights, artifacts
+    final = save(step) if saved_at != step else ckpt_lib.root(run_dir) / ckpt_lib.tag_for(step)
+    if cfg.data.val_split and "val_top1" not in last:
+        last.update(evaluate(engine, cfg, data, device, dtype))
+        rank0_print(f"final val top1 {last['val_top1']:.4f} ({last['val_n']} images)")
+        log({"step": step, **{k: v for k, v in last.items() if k.startswith("val_")}, "time": time.time()})
+    weights = run_dir / "model.safetensors"
+    if rank == 0:
+        sd, model_config = ckpt_lib.load_checkpoint_weights(final)
+        ckpt_lib.save_weights(sd, model_config, weights)
+        png = loss_curve_png(history, run_dir / "loss_curve.png")
+        for path in (run_dir / "config.yaml", weights, png):
+            if path is not None:
+                tracker.log_artifact(path)
+        rank0_print(f"done: {weights}")
+    dist.barrier()
+    tracker.close(timeout=60.0)
+    return Result("completed", step, str(run_dir), loss=last.get("loss"), val_top1=last.get("val_top1"),
+                  weights=str(weights), mlflow_run_id=tracker.run_id)
+
+
+def main(argv: list[str]) -> int:
+    from launch.cli import add_config_args, load_config_or_exit, parser_for
+
+    p = parser_for("pretrain", "pre-train a ViT with DeepSpeed ZeRO; resumes from RUN_DIR's newest "
+                               "complete checkpoint (run.fresh=true starts over)")
+    add_config_args(p)
+    args = p.parse_args(argv)
+    cfg = load_config_or_exit(args, world_size=dist_env().world_size)
+    try:
+        result = pretrain(cfg)
+    except (NonFiniteLoss, RunDirError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1 if isinstance(e, NonFiniteLoss) else 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    rank0_print(f"pretrain {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
+    return 0

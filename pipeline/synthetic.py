@@ -1,0 +1,130 @@
+"""A deterministic in-memory image-classification set with pipeline/data.py's loader interface.
+
+``data.path=synthetic`` (options: ``synthetic:classes=10,train=2048,val=256,noise=60``) trains
+without any files: tests, benchmarks, smoke runs. Sample ``i`` of a split is a fixed per-class
+pattern plus noise seeded by ``i``, so a model can learn it and every sample is reproducible; the
+run's seed only changes the order.
+
+Batches follow one global order: optimizer step ``s`` consumes samples ``[s*G, (s+1)*G)`` of the
+(epoch-wise shuffled) stream; micro batch ``m`` of rank ``r`` is the slice at
+``(m*world + r)*micro``. The loader's position is a step count, so it survives a world-size change.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+PREFIX = "synthetic:"
+_DEFAULTS = {"classes": 10, "train": 2048, "val": 256, "noise": 60}
+
+
+def is_synthetic(path: str) -> bool:
+    return str(path) == "synthetic" or str(path).startswith(PREFIX)
+
+
+def parse_spec(path: str) -> dict[str, int]:
+    spec = dict(_DEFAULTS)
+    body = str(path)[len(PREFIX):].strip() if str(path).startswith(PREFIX) else ""
+    for item in filter(None, body.split(",")):
+        k, _, v = item.partition("=")
+        if k not in spec or not v.isdigit():
+            raise ValueError(f"data.path: bad synthetic option {item!r} (known: {', '.join(_DEFAULTS)}=INT)")
+        spec[k] = int(v)
+    return spec
+
+
+def read_info(path: str) -> dict:
+    spec = parse_spec(path)
+    return {"num_classes": spec["classes"], "classes": [str(i) for i in range(spec["classes"])],
+            "splits": {"train": spec["train"], "val": spec["val"]}}
+
+
+def normalize(images: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, 3, H, W] → float [B, 3, H, W] in [-1, 1] (the paper's inception-style range)."""
+    return images.float().div_(127.5).sub_(1.0)
+
+
+def _templates(classes: int, img_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_007)
+    coarse = torch.rand(classes, 3, 4, 4, generator=g) * 255
+    return torch.nn.functional.interpolate(coarse, size=(img_size, img_size), mode="nearest")
+
+
+def _samples(idx: list[int], split_salt: int, spec: dict, img_size: int, templates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples ``idx`` → (uint8 [B, 3, H, W], int64 [B])."""
+    labels = torch.tensor([(i * 7 + split_salt) % spec["classes"] for i in idx], dtype=torch.int64)
+    imgs = torch.empty(len(idx), 3, img_size, img_size)
+    for j, i in enumerate(idx):
+        g = torch.Generator().manual_seed(split_salt * 7_919_111 + i)
+        imgs[j] = templates[labels[j]] + spec["noise"] * torch.randn(3, img_size, img_size, generator=g)
+    return imgs.clamp_(0, 255).to(torch.uint8), labels
+
+
+class TrainLoader:
+    """Endless micro batches ``(uint8 [micro, 3, H, W], int64 [micro])`` for this rank."""
+
+    def __init__(self, data_cfg, *, img_size: int, micro_batch: int, global_batch: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0):
+        self.spec = parse_spec(data_cfg.path)
+        self.img_size, self.micro, self.global_batch = img_size, micro_batch, global_batch
+        self.rank, self.world, self.seed = rank, world_size, seed
+        self.accum = global_batch // (micro_batch * world_size)
+        self.n = self.spec["train"]
+        self.steps_per_epoch = max(1, self.n // global_batch)
+        self.skipped = 0  # the real loader counts undecodable samples here
+        self._templates = _templates(self.spec["classes"], img_size)
+        self._micro_done = 0  # micro batches yielded by this rank
+        self._perm_epoch, self._perm = -1, None
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 31 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g), epoch
+        return self._perm
+
+    def _indices(self, k: int) -> list[int]:
+        step, m = divmod(k, self.accum)
+        start = step * self.global_batch + (m * self.world + self.rank) * self.micro
+        out = []
+        for pos in range(start, start + self.micro):
+            epoch, j = divmod(pos, self.n)
+            out.append(int(self._order(epoch)[j]))
+        return out
+
+    def __iter__(self):
+        while True:
+            idx = self._indices(self._micro_done)
+            self._micro_done += 1
+            yield _samples(idx, 0, self.spec, self.img_size, self._templates)
+
+    def state_dict(self) -> dict:
+        """Position in optimizer steps (world-size independent); call at a step boundary."""
+        return {"steps": self._micro_done // self.accum, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._micro_done = int(state["steps"]) * self.accum
+        self.skipped = int(state.get("skipped", 0))
+
+    def __repr__(self) -> str:
+        return f"synthetic TrainLoader({json.dumps(self.spec)})"
+
+
+class EvalLoader:
+    """Each val sample exactly once over all ranks (rank r takes i ≡ r mod world)."""
+
+    def __init__(self, data_cfg, *, img_size: int, batch: int, rank: int = 0, world_size: int = 1,
+                 split: str = "val"):
+        self.spec = parse_spec(data_cfg.path)
+        self.img_size, self.batch = img_size, batch
+        n = self.spec["val" if split != "train" else "train"]
+        self.idx = list(range(rank, n, world_size))
+        self._templates = _templates(self.spec["classes"], img_size)
+
+    def __len__(self) -> int:
+        return (len(self.idx) + self.batch - 1) // self.batch
+
+    def __iter__(self):
+        for s in range(0, len(self.idx), self.batch):
+            yield _samples(self.idx[s:s + self.batch], 1, self.spec, self.img_size, self._templates)

@@ -1,0 +1,274 @@
+"""MLflow tracking that never slows or stops training: the only module that imports mlflow.
+
+Rank 0 gets a :class:`Tracker`; other ranks get a :class:`NullTracker` with the same methods.
+Calls only enqueue; one background thread turns the queue into ``log_batch`` requests. When the
+server is down or slow, records wait in memory (a warning says so) and go out when it returns;
+on close, whatever is still undelivered after a bounded wait is appended to a spool file
+(``RUN_DIR/mlflow_spool.jsonl``) that the next tracker for that run dir delivers first.
+
+Default store: ``sqlite:///RUN_DIR/mlflow.db`` (artifacts in RUN_DIR/mlartifacts);
+``$MLFLOW_TRACKING_URI`` or ``tracking.uri`` point elsewhere (e.g. ``http://127.0.0.1:5000``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import socket
+import subprocess
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+# Fail fast and let our thread retry: mlflow's own retries would stall the queue for minutes.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+SPOOL = "mlflow_spool.jsonl"
+_BATCH = 1000  # mlflow's limit of metrics per log_batch
+
+
+def resolve_uri(cfg, run_dir: str | os.PathLike) -> str:
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+class NullTracker:
+    """What ranks other than 0 (and tracking.enabled=false) get: every call does nothing."""
+
+    run_id: str | None = None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
+    def log_model_pytorch(self, model, input_example=None, registered_name: str | None = None) -> None: ...
+    def flush(self, timeout: float = 30.0) -> bool:
+        return True
+    def close(self, timeout: float = 30.0) -> None: ...
+
+
+class Tracker(NullTracker):
+    """Asynchronous MLflow run. ``run_id`` given: continue that run (params are not logged again)."""
+
+    def __init__(self, uri: str, *, experiment: str, run_name: str, spool_dir: str | os.PathLike,
+                 run_id: str | None = None, params: dict[str, Any] | None = None,
+                 tags: dict[str, Any] | None = None, flush_every_s: float = 2.0,
+                 artifact_location: str | None = None):
+        self.uri, self.experiment, self.run_name = uri, experiment, run_name
+        self.run_id = run_id
+        self._resumed = run_id is not None
+        self._params, self._tags = params or {}, {k: str(v) for k, v in (tags or {}).items()}
+        self._artifact_location = artifact_location
+        self._spool = Path(spool_dir) / SPOOL
+        self._every = flush_every_s
+        self._q: queue.Queue = queue.Queue()
+        self._pending: list[dict] = self._read_spool()  # ops in order: metric | artifact | tags
+        self._queued, self._delivered = len(self._pending), 0  # flush waits for delivered >= queued
+        self._client = None
+        self._down_since: float | None = None
+        self._idle = threading.Event()
+        self._wake = threading.Event()  # flush/close: deliver now rather than at the next tick
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # one mlflow request at a time (thread vs. log_model_pytorch)
+        self._thread = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
+        self._thread.start()
+
+    # ---- the training side: enqueue only ----------------------------------------------------------
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        ts = int(time.time() * 1000)
+        for k, v in metrics.items():
+            if v is not None:
+                self._put({"op": "metric", "key": k, "value": float(v), "step": int(step), "ts": ts})
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        self._put({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self._put({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
+
+    def _put(self, op: dict) -> None:
+        self._queued += 1
+        self._q.put(op)
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything queued so far is delivered; False if the deadline passes first."""
+        target, deadline = self._queued, time.monotonic() + timeout
+        while self._delivered < target or self.run_id is None:
+            self._wake.set()
+            if time.monotonic() >= deadline or not self._thread.is_alive():
+                return False
+            self._idle.wait(0.2)
+            self._idle.clear()
+        return True
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Deliver what we can within ``timeout``; spool the rest for a later run to deliver."""
+        self.flush(timeout)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=max(1.0, self._every * 2))
+        self._drain()
+        if self._pending:
+            with open(self._spool, "a") as f:
+                for op in self._pending:
+                    f.write(json.dumps(dict(op, run_id=op.get("run_id") or self.run_id)) + "\n")
+            warnings.warn(f"MLflow at {self.uri} unreachable: {len(self._pending)} records kept in "
+                          f"{self._spool}; the next run in this dir delivers them", stacklevel=2)
+            self._pending = []
+
+    def log_model_pytorch(self, model, input_example=None, registered_name: str | None = None) -> None:
+        """Log ``model`` with the mlflow.pytorch flavour (and register it); synchronous, warns on failure."""
+        if not self.flush(60.0):
+            warnings.warn("MLflow unreachable: model not logged (weights are in the run dir)", stacklevel=2)
+            return
+        import mlflow
+        import mlflow.pytorch
+
+        try:
+            with self._lock:
+                mlflow.set_tracking_uri(self.uri)
+                with mlflow.start_run(run_id=self.run_id):
+                    mlflow.pytorch.log_model(model, name="model", input_example=input_example,
+                                             registered_model_name=registered_name)
+        except Exception as e:  # tracking must never end training
+            warnings.warn(f"MLflow log_model failed: {e}", stacklevel=2)
+
+    # ---- the background thread ---------------------------------------------------------------------
+    def _read_spool(self) -> list[dict]:
+        if not self._spool.is_file():
+            return []
+        ops = [json.loads(line) for line in self._spool.read_text().splitlines() if line.strip()]
+        self._spool.unlink()
+        return ops
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._pending.append(self._q.get_nowait())
+            except queue.Empty:
+                return
+
+    def _connect(self) -> None:
+        from mlflow import MlflowClient
+        from mlflow.entities import Param, RunTag
+
+        if self._client is None:
+            self._client = MlflowClient(self.uri)
+        c = self._client
+        if self.run_id is not None:
+            if self._tags:
+                c.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self._tags.items()])
+            return
+        exp = c.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp else c.create_experiment(
+            self.experiment, artifact_location=self._artifact_location)
+        run = c.create_run(exp_id, run_name=self.run_name, tags=self._tags)
+        params = [Param(k, str(v)[:6000]) for k, v in self._params.items()]
+        for i in range(0, len(params), 100):
+            c.log_batch(run.info.run_id, params=params[i:i + 100])
+        self.run_id = run.info.run_id
+
+    def _deliver(self) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        while self._pending:
+            op = self._pending[0]
+            run_id = op.get("run_id") or self.run_id
+            if op["op"] == "metric":
+                n = 0
+                while (n < min(len(self._pending), _BATCH) and self._pending[n]["op"] == "metric"
+                       and (self._pending[n].get("run_id") or self.run_id) == run_id):
+                    n += 1
+                self._client.log_batch(run_id, metrics=[Metric(o["key"], o["value"], o["ts"], o["step"])
+                                                        for o in self._pending[:n]])
+            elif op["op"] == "artifact":
+                n = 1
+                if Path(op["path"]).exists():
+                    self._client.log_artifact(run_id, op["path"], op.get("artifact_path"))
+            else:
+                n = 1
+                self._client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()])
+            del self._pending[:n]
+            self._delivered += n
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            self._wake.wait(self._every)  # batch whatever arrived meanwhile into few requests
+            self._wake.clear()
+            self._drain()
+            try:
+                with self._lock:
+                    if self.run_id is None or self._client is None:
+                        self._connect()
+                    self._deliver()
+            except Exception as e:  # server down, slow, or refusing: keep the records, retry later
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    warnings.warn(f"MLflow at {self.uri} unreachable ({type(e).__name__}: {str(e)[:200]}); "
+                                  "training continues, metrics are buffered", stacklevel=1)
+                self._stop.wait(backoff)
+                self._wake.clear()
+                backoff = min(backoff * 2, 10.0)
+                continue
+            if self._down_since is not None:
+                print(f"MLflow back after {time.monotonic() - self._down_since:.0f}s; buffered metrics "
+                      "delivered", flush=True)
+                self._down_since = None
+            backoff = 0.5
+            self._idle.set()
+
+
+def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: int, stage: str,
+                   run_id: str | None = None, params: dict[str, Any] | None = None) -> NullTracker:
+    """The tracker for this process: a real one on rank 0 when tracking is enabled."""
+    if rank != 0 or not cfg.tracking.enabled:
+        return NullTracker()
+    run_dir = Path(run_dir)
+    uri = resolve_uri(cfg, run_dir)
+    local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+    tags = {"stage": stage, "host": socket.gethostname(), "world_size": world_size}
+    commit = git_commit()
+    if commit:
+        tags["git_commit"] = commit
+    return Tracker(uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name or run_dir.name,
+                   spool_dir=run_dir, run_id=run_id, params=params, tags=tags,
+                   flush_every_s=cfg.tracking.flush_every_s,
+                   artifact_location=(run_dir.resolve() / "mlartifacts").as_uri() if local else None)
+
+
+def loss_curve_png(records: list[dict], path: str | os.PathLike, key: str = "loss") -> Path | None:
+    """Plot ``key`` against step from metrics.jsonl records (matplotlib Agg); None if nothing to plot."""
+    pts = [(r["step"], r[key]) for r in records if key in r]
+    if not pts:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*pts))
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_yscale("log" if all(v > 0 for _, v in pts) else "linear")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

@@ -4,7 +4,7 @@
 # Usage: launch/services/install-debian.sh
 set -euo pipefail
 
-pkgs=(munge slurmd slurmctld slurm-client)
+pkgs=(munge slurmd slurmctld slurm-client curl)  # curl: mlflow.sh waits on /health
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing+=("$p")

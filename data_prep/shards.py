@@ -7,11 +7,9 @@ Stream shape: planned samples → chunks of CHUNK samples → worker processes (
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
-import tarfile
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -67,12 +65,44 @@ def _work(task: tuple) -> list[tuple]:
     return out
 
 
-def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), _MTIME, 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    tar.addfile(info, io.BytesIO(data))
+def _octal(value: int, width: int) -> bytes:
+    return b"%0*o\0" % (width - 1, value)
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """A POSIX ustar header with fixed metadata (mode 644, uid/gid 0, mtime 0, no user names).
+
+    Written by hand rather than with `tarfile` because tarfile's per-member overhead was ~5% of prep time.
+    """
+    raw = name.encode("utf-8")
+    if len(raw) > 100:
+        raise ValueError(f"tar member name {name!r} longer than 100 bytes")
+    head = (raw.ljust(100, b"\0") + _octal(0o644, 8) + _octal(0, 8) + _octal(0, 8) + _octal(size, 12)
+            + _octal(_MTIME, 12) + b" " * 8 + b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 80
+            ).ljust(512, b"\0")
+    return head[:148] + b"%06o\0 " % sum(head) + head[156:]
+
+
+class TarSink:
+    """Append-only tar writer: header, data, zero padding to 512; two zero blocks + padding to 10 KiB at close."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "wb")
+        self.pos = 0
+
+    def add(self, name: str, data: bytes) -> None:
+        pad = -len(data) % 512
+        self.f.write(tar_header(name, len(data)))
+        self.f.write(data)
+        self.f.write(b"\0" * pad)
+        self.pos += 512 + len(data) + pad
+
+    def close(self) -> None:
+        end = self.pos + 1024
+        self.f.write(b"\0" * (1024 + (-end % 10240)))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
 
 
 class _ShardWriter:
@@ -80,7 +110,7 @@ class _ShardWriter:
         self.out, self.name, self.pid = out, shard["name"], pid
         self.planned = len(shard["samples"])
         self.tmp = out / f"{self.name}.tar.partial"
-        self.tar = tarfile.open(self.tmp, "w", format=tarfile.USTAR_FORMAT)
+        self.tar = TarSink(self.tmp)
         self.count, self.rejects, self.t0 = 0, [], time.perf_counter()
 
     def add(self, result: tuple) -> None:
@@ -92,14 +122,12 @@ class _ShardWriter:
         # members of a sample sorted by extension: cls < jpg < json < png < webp
         members = {"cls": str(cls).encode(), ext: data, "json": json.dumps(meta, sort_keys=True).encode()}
         for e in sorted(members):
-            _add(self.tar, f"{key}.{e}", members[e])
+            self.tar.add(f"{key}.{e}", members[e])
         self.count += 1
 
     def finish(self) -> dict:
         self.tar.close()
         final = self.out / f"{self.name}.tar"
-        with open(self.tmp, "rb") as f:
-            os.fsync(f.fileno())
         os.replace(self.tmp, final)
         by_reason: dict[str, int] = {}
         for r in self.rejects:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm"}
 MANIFEST_EXTS = {".csv", ".jsonl", ".parquet"}
-SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _INT = re.compile(r"^\d+$")
 
 

@@ -121,7 +121,7 @@ def _plain(result) -> dict:
     elif isinstance(result, dict):
         raw = dict(result)
     else:
-        raw = {k: getattr(result, k) for k in ("status", "step", "run_dir", "mlflow_run_id", "stop_reason")
+        raw = {k: getattr(result, k) for k in ("status", "step", "run_dir", "mlflow_run_id", "reason", "stop_reason")
                if hasattr(result, k)}
     return {k: v for k, v in raw.items() if isinstance(v, (str, int, float, bool, type(None), list, dict))}
 
@@ -145,7 +145,7 @@ def resolve_target(target: str):
 def run_prep(cfg, *, source: str, out: str, shard_ranges: list, prep_kwargs: dict, task: int = 0) -> dict:
     """One array task of `vitp submit prep`: its range of the plan's shards; the last one to finish
     writes _info.json (prep() finalizes when every shard is complete)."""
-    from data_prep.prep import prep
+    from data_prep import prep
 
     a, b = shard_ranges[task]
     summary = prep(source, out, shard_range=(a, b), progress=False, **prep_kwargs)
@@ -201,7 +201,11 @@ class StageJob:
         return summary
 
     def _after_stop(self, summary: dict, cfg, d: DistEnv, folder: Path, job_env) -> None:
-        reason = summary.get("stop_reason") or stopping.stop_reason() or "requeue"
+        # The stage's agreed reason, else this rank's own signal; a stop asked by another rank
+        # without a known reason is treated as a requeue (losing a run is worse than one more try).
+        reason = summary.get("stop_reason") or summary.get("reason")
+        if reason not in ("requeue", "cancel"):
+            reason = stopping.stop_reason() or "requeue"
         summary["stop_reason"] = reason
         if reason != "requeue":
             # scancel: the checkpoint is saved; SLURM ends the job, nothing is requeued.

@@ -116,8 +116,10 @@ def check_cluster(cfg, cluster: str) -> None:
 
 def check_data(cfg, stage: str) -> None:
     """The dataset exists, is complete, and has a shard for every (rank, loader worker)."""
+    from pipeline.synthetic import is_synthetic
+
     path = cfg.data.path
-    if stage == "eval" and not path:
+    if (stage == "eval" and not path) or is_synthetic(path):
         return
     if not path:
         raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
@@ -228,7 +230,8 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
 def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", choices=["slurm", "local", "debug"], default=None,
                    help="submitit executor (default: slurm when sbatch is on PATH, else local)")
-    p.add_argument("--resources", help="cluster/hardware YAML merged over the recipe, e.g. configs/cluster/h100_8x.yaml")
+    p.add_argument("--resources",
+                   help="cluster/hardware YAML merged over the recipe, e.g. configs/cluster/h100_8x.yaml")
     p.add_argument("--wait", action="store_true", help="block until the job ends; non-zero exit if it failed")
     p.add_argument("--dry-run", action="store_true", help="check and print the sbatch parameters; submit nothing")
 
@@ -269,7 +272,7 @@ def _stage_parser() -> argparse.ArgumentParser:
 
 
 def _prep_calls(args, cfg) -> tuple[list, list[StageJob]]:
-    from data_prep.prep import prep
+    from data_prep import prep
 
     if not Path(args.source).exists():
         raise SubmitError(f"source: {args.source} not found")
@@ -333,7 +336,8 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
                 extra["sweep"] = sweep_id
                 cfgs, envs = [], []
                 for i, s in enumerate(sets):
-                    run_dir = [] if any(o.startswith("run.dir=") for o in s) else [f"run.dir={base.run.dir}/{sweep_id}/{i}"]
+                    own_dir = any(o.startswith("run.dir=") for o in s)
+                    run_dir = [] if own_dir else [f"run.dir={base.run.dir}/{sweep_id}/{i}"]
                     cfgs.append(load_submit_config(args.config, [*args.overrides, *s, *run_dir], args.resources))
                     tags = {"sweep": sweep_id, "sweep_index": str(i), "sweep_overrides": " ".join(s)}
                     envs.append({"VITP_MLFLOW_TAGS": json.dumps(tags, sort_keys=True)})

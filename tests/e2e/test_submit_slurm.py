@@ -77,6 +77,17 @@ def submit(argv, capsys, target=STUB) -> tuple[int, str]:
     return rc, out
 
 
+def n_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def preempt_at(run: Path, jid: str, k: int, events: Path, nth: int) -> None:
+    """USR2 once the run has logged step k; wait until the job has requeued itself for the nth time."""
+    poll(lambda: last_step(run) >= k, 300, f"step {k}")
+    subprocess.run(["scancel", "--signal=USR2", jid], check=True)
+    poll(lambda: n_lines(events) >= nth, 180, f"requeue #{nth}")
+
+
 def job_id(out: str) -> str:
     return next(line.split()[1] for line in out.splitlines() if line.startswith("job "))
 
@@ -109,13 +120,9 @@ def test_preempt_twice_resumes_exactly(cluster, tmp_path, capsys, monkeypatch):
     jid = job_id(out)
     run = tmp_path / "pre"
     rng = random.Random(0)
-    for k in (rng.randint(3, 10), rng.randint(18, 26)):
-        poll(lambda k=k: last_step(run) >= k, 240, f"step {k}")
-        subprocess.run(["scancel", "--signal=USR2", jid], check=True)
-        events = tmp_path / "jobs" / jid / "events.jsonl"
-        n = k
-        poll(lambda: events.is_file() and len(events.read_text().splitlines()) >= (1 if n < 18 else 2),
-             120, "the requeue")
+    events = tmp_path / "jobs" / jid / "events.jsonl"
+    for i, k in enumerate((rng.randint(3, 10), rng.randint(18, 26))):
+        preempt_at(run, jid, k, events, i + 1)
     entries = [e for e in read_index(tmp_path / "jobs")]
     from launch.jobs import outcome, wait
 
@@ -167,8 +174,8 @@ def test_operator_commands(cluster, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     data = fake_data(tmp_path / "data")
     jobs = tmp_path / "jobs"
-    rc, out = submit(["pretrain", "--config", TINY, "--resources", RES, f"data.path={data}", "train.steps=200",
-                      f"run.dir={tmp_path / 'run'}", f"cluster.log_dir={jobs}"], capsys)
+    rc, out = submit(["pretrain", "--config", TINY, "--resources", RES, f"data.path={data}",
+                      "train.steps=200", f"run.dir={tmp_path / 'run'}", f"cluster.log_dir={jobs}"], capsys)
     jid = job_id(out)
     poll(lambda: last_step(tmp_path / "run") >= 2, 240, "step 2")
     from launch.jobs import cancel_main, jobs_main, logs_main
@@ -181,8 +188,97 @@ def test_operator_commands(cluster, tmp_path, capsys, monkeypatch):
     assert cancel_main([jid, "--log-dir", str(jobs)]) == 0
     poll(lambda: slurm_states([jid]).get(jid) == "CANCELLED", 120, "CANCELLED")
     # SIGTERM: the stage saved and stopped without a requeue.
-    res = poll(lambda: (jobs / jid / "result.json").is_file() and json.loads((jobs / jid / "result.json").read_text()),
-               60, "result.json")
+    result = jobs / jid / "result.json"
+    res = poll(lambda: result.is_file() and json.loads(result.read_text()), 60, "result.json")
     assert (res["status"], res["stop_reason"]) == ("stopped", "cancel")
     assert not (jobs / jid / "events.jsonl").exists()
     assert (tmp_path / "run" / "ckpt" / "latest").read_text() == str(res["step"])
+
+
+# ------------------------------------------------------------------------------ the real stages
+
+
+def cli(args: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+def mlflow_db(path: Path):
+    import sqlite3
+
+    return sqlite3.connect(path)
+
+
+SYNTH = "data.path=synthetic:classes=4,train=512,val=64"
+
+
+def test_pretrain_tiny_two_nodes(cluster, tmp_path):
+    pytest.importorskip("pipeline.pretrain")
+    db = tmp_path / "mlflow.db"
+    r = cli(["submit", "pretrain", "--config", TINY, "--resources", RES, SYNTH, "train.steps=6",
+             f"run.dir={tmp_path / 'run'}", f"cluster.log_dir={tmp_path / 'jobs'}", f"tracking.uri=sqlite:///{db}",
+             "--wait"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.splitlines()[0].startswith("job ")
+    c = mlflow_db(db)
+    runs = c.execute("select run_uuid from runs").fetchall()
+    assert len(runs) == 1
+    assert c.execute("select value from tags where key='world_size'").fetchall() == [("2",)]
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+
+def test_pretrain_preempted_twice_equals_uninterrupted(cluster, tmp_path):
+    """The real stage: USR2 twice → collective save, requeue, resume; same losses and weights, one
+    MLflow run with every logged step once."""
+    pytest.importorskip("pipeline.pretrain")
+    steps = 30
+    common = ["submit", "pretrain", "--config", TINY, "--resources", RES, SYNTH, f"train.steps={steps}",
+              "train.log_every=1", f"cluster.log_dir={tmp_path / 'jobs'}"]
+    ref = cli([*common, f"run.dir={tmp_path / 'ref'}", f"tracking.uri=sqlite:///{tmp_path / 'ref.db'}"])
+    pre = cli([*common, f"run.dir={tmp_path / 'pre'}", f"tracking.uri=sqlite:///{tmp_path / 'pre.db'}"])
+    assert ref.returncode == 0 and pre.returncode == 0, ref.stderr + pre.stderr
+    jid = job_id(pre.stdout)
+    events = tmp_path / "jobs" / jid / "events.jsonl"
+    rng = random.Random(1)
+    for i, k in enumerate((rng.randint(2, 8), rng.randint(13, 20))):
+        preempt_at(tmp_path / "pre", jid, k, events, i + 1)
+    from launch.jobs import outcome, wait
+
+    entries = read_index(tmp_path / "jobs")
+    states = wait(entries, timeout_s=900)
+    for e in entries:
+        ok, line = outcome(e, states[e["job_id"]])
+        assert ok, line
+    assert json.loads((tmp_path / "jobs" / jid / "result.json").read_text())["restarts"] == 2
+
+    def losses(run):
+        return [(r["step"], r["loss"]) for r in metrics(tmp_path / run)]
+
+    assert [s for s, _ in losses("pre")] == list(range(1, steps + 1))
+    assert losses("pre") == losses("ref")
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "pre" / "model.safetensors"), load_file(tmp_path / "ref" / "model.safetensors")
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    c = mlflow_db(tmp_path / "pre.db")
+    assert len(c.execute("select run_uuid from runs").fetchall()) == 1
+    loss_steps = [s for (s,) in c.execute("select step from metrics where key='loss' order by step")]
+    assert loss_steps == list(range(1, steps + 1))
+
+
+def test_prep_array_matches_local_prep(cluster, tmp_path):
+    from data_prep import prep
+    from tests.data_prep_fixtures import build_corpus, tree_bytes
+
+    src = tmp_path / "images"
+    build_corpus(src, n_good_per_class=3)
+    prep(src, tmp_path / "local", max_samples_per_shard=4, progress=False)
+    r = cli(["submit", "prep", str(src), str(tmp_path / "array"), "--tasks", "3", "--max-samples-per-shard", "4",
+             "--resources", RES, f"cluster.log_dir={tmp_path / 'jobs'}", "--wait"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    tasks = [e["job_id"] for e in read_index(tmp_path / "jobs")]
+    assert len(tasks) == 3 and len({t.split("_")[0] for t in tasks}) == 1  # one array
+    local, array = tree_bytes(tmp_path / "local"), tree_bytes(tmp_path / "array")
+    assert sum(n.endswith(".tar") for n in local) >= 3
+    assert local.keys() == array.keys()
+    assert all(local[n] == array[n] for n in local), [n for n in local if local[n] != array[n]]

@@ -1,0 +1,162 @@
+"""The launch layer without a cluster: resources → sbatch, config merging, sweeps, shard ranges, data
+checks, rank/world from a job environment, and rendezvous failures that must be errors, not hangs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from launch.distributed import RendezvousError, init_process_group, port_free, rendezvous_port
+from launch.preempt import job_dist_env
+from launch.submit import (
+    SubmitError,
+    check_cluster,
+    check_data,
+    load_submit_config,
+    parse_sweep,
+    slurm_parameters,
+    split_shards,
+)
+from pipeline.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
+H100 = str(ROOT / "configs/cluster/h100_8x.yaml")
+
+
+def test_slurm_parameters_from_resources_file():
+    cfg = load_submit_config(str(ROOT / "configs/pretrain/vit_b16.yaml"),
+                             ["cluster.nodes=4", "cluster.account=vision", "cluster.qos=high", "cluster.time_min=90",
+                              "cluster.extra_sbatch={mail-type: END}"], H100)
+    assert slurm_parameters(cfg) == {
+        "name": cfg.cluster.job_name, "nodes": 4, "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 12,
+        "mem_gb": 960.0, "timeout_min": 90, "slurm_partition": "gpu", "slurm_account": "vision",
+        "slurm_qos": "high", "slurm_exclusive": True, "slurm_signal_delay_s": 300,
+        "slurm_additional_parameters": {"requeue": True, "mail-type": "END"}}
+
+
+def test_slurm_parameters_render_to_sbatch(tmp_path):
+    if shutil.which("srun") is None:
+        pytest.skip("submitit's SLURM executor needs srun on PATH")
+    from launch.submit import make_executor
+
+    cfg = load_submit_config(TINY, ["cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.partition=debug",
+                                    f"cluster.log_dir={tmp_path}", "cluster.signal_delay_s=45"])
+    text = make_executor(cfg, "slurm")._executor._make_submission_file_text("python x", "u")
+    for line in ("--nodes=2", "--ntasks-per-node=1", "--partition=debug", "--signal=USR2@45", "--requeue",
+                 "--time=30", "--cpus-per-task=1"):
+        assert f"#SBATCH {line}" in text, line
+
+
+def test_resources_merge_order_and_checks(tmp_path):
+    cfg = load_submit_config(TINY, ["cluster.nodes=2"], str(ROOT / "configs/cluster/local_debug.yaml"))
+    # recipe (1 x 2 tasks) < resources file (2 nodes x 1 task, partition debug) < overrides
+    assert (cfg.cluster.nodes, cfg.cluster.tasks_per_node, cfg.cluster.partition) == (2, 1, "debug")
+    assert cfg.cluster.job_name == "vitp-debug" and cfg.model.width == 64
+    bad = tmp_path / "res.yaml"
+    bad.write_text("cluster: {nodes: 2}\noptim: {lr: 1.0}\n")
+    with pytest.raises(ConfigError, match="only cluster: and hardware:; got optim:"):
+        load_submit_config(TINY, [], str(bad))
+    with pytest.raises(ConfigError, match="cluster.nodes: must be >= 1; got 0"):
+        load_submit_config(TINY, ["cluster.nodes=0"])
+    with pytest.raises(ConfigError, match="train.global_batch: 32 is not divisible by world size 3"):
+        load_submit_config(TINY, ["cluster.nodes=3", "cluster.tasks_per_node=1"])
+    with pytest.raises(SubmitError, match="one task per GPU"):
+        check_cluster(load_submit_config(TINY, ["cluster.gpus_per_node=4"]), "local")
+
+
+def test_parse_sweep(tmp_path):
+    assert parse_sweep([]) == []
+    assert parse_sweep(["optim.lr=1e-3,3e-4", "train.steps=10,20"]) == [
+        ["optim.lr=1e-3", "train.steps=10"], ["optim.lr=1e-3", "train.steps=20"],
+        ["optim.lr=3e-4", "train.steps=10"], ["optim.lr=3e-4", "train.steps=20"]]
+    f = tmp_path / "sweep.yaml"
+    f.write_text("- {optim.lr: 0.001, model.name: vit_b16}\n- {optim.lr: 0.0003}\n")
+    assert parse_sweep([], str(f)) == [["optim.lr=0.001", "model.name=vit_b16"], ["optim.lr=0.0003"]]
+    with pytest.raises(SubmitError, match="expected KEY=V1,V2"):
+        parse_sweep(["optim.lr"])
+
+
+@pytest.mark.parametrize("n,tasks", [(10, 3), (3, 3), (2, 5), (7, 1), (100, 16)])
+def test_split_shards_covers_plan(n, tasks):
+    ranges = split_shards(n, tasks)
+    assert len(ranges) == min(n, tasks)
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a < b for a, b in ranges) and all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    sizes = [b - a for a, b in ranges]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_check_data(tmp_path):
+    def cfg(*o):
+        return load_submit_config(TINY, list(o))  # 1 node x 2 tasks, workers 1
+
+    with pytest.raises(SubmitError, match="data.path: empty"):
+        check_data(cfg(), "pretrain")
+    with pytest.raises(SubmitError, match=r"_info.json not found"):
+        check_data(cfg(f"data.path={tmp_path}"), "pretrain")
+    (tmp_path / "_info.json").write_text(json.dumps({"splits": {"train": {"filenames": ["a.tar", "b.tar", "c.tar"]}}}))
+    check_data(cfg(f"data.path={tmp_path}"), "pretrain")
+    with pytest.raises(SubmitError, match=r"3 'train' shards < world size 2 x data.workers 2 = 4"):
+        check_data(cfg(f"data.path={tmp_path}", "data.workers=2"), "pretrain")
+    check_data(cfg(f"data.path={tmp_path}", "data.workers=2", "data.resampled=true"), "pretrain")
+    with pytest.raises(SubmitError, match="has no split 'big'"):
+        check_data(cfg(f"data.path={tmp_path}", "data.train_split=big"), "pretrain")
+    check_data(cfg("data.path=synthetic"), "pretrain")
+
+
+def test_job_dist_env_from_submitit_environment():
+    je = SimpleNamespace(num_tasks=8, num_nodes=2, global_rank=5, local_rank=1, job_id="4242", cluster="slurm",
+                         hostnames=["gpu07", "gpu08"])
+    d = job_dist_env(je, environ={})
+    assert (d.rank, d.world_size, d.local_rank, d.local_world_size, d.master_addr) == (5, 8, 1, 4, "gpu07")
+    assert d.master_port == rendezvous_port("4242") and 20000 <= d.master_port < 40000
+    assert job_dist_env(je, environ={"SLURM_RESTART_COUNT": "1"}).master_port != d.master_port
+    assert job_dist_env(je, environ={"MASTER_PORT": "1234"}).master_port == 1234
+    local = SimpleNamespace(**{**je.__dict__, "cluster": "local"})
+    assert job_dist_env(local, environ={}).master_addr == "127.0.0.1"
+
+
+def test_rendezvous_port_clash_is_a_clear_error():
+    from launch.distributed import DistEnv
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert not port_free(port)
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousError, match=f"rendezvous port {port} .* already in use"):
+            init_process_group(DistEnv(rank=0, world_size=2, master_port=port), "gloo", timeout_s=30)
+        assert time.monotonic() - t0 < 5
+
+
+RANK0_ALONE = """
+import sys
+from launch.distributed import DistEnv, RendezvousError, init_process_group
+try:
+    init_process_group(DistEnv(rank=0, world_size=2, master_port=int(sys.argv[1])), "gloo", timeout_s=2)
+except RendezvousError as e:
+    print("ERR", e)
+"""
+
+
+def test_missing_rank_times_out_with_message():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", RANK0_ALONE, str(port)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    line = next(x for x in r.stdout.splitlines() if x.startswith("ERR"))
+    assert "rank 0/2: rendezvous at 127.0.0.1" in line and "waiting for the other ranks" in line
+    assert "engine.dist_timeout_s" in line
+    assert time.monotonic() - t0 < 60  # 2 s limit + interpreter start, nowhere near a hang

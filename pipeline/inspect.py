@@ -244,7 +244,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--image", action="append", default=[], help="an input image (repeatable)")
     p.add_argument("--out", required=True, help="folder for the PNGs")
     args = p.parse_args(argv)
-    from pipeline.checkpoint import load_model
+    from pipeline.transfer import load_model
 
     try:
         model = load_model(args.checkpoint)

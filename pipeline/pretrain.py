@@ -301,7 +301,7 @@ def pretrain(cfg: Config) -> Result:
             reason = stopping.stop_reason() or "requested by another rank"
             path = save(step)
             rank0_print(f"stopping at step {step} ({reason}); checkpoint {path}")
-            tracker.close()
+            tracker.close(timeout=min(60.0, max(5.0, 10 * cfg.tracking.flush_every_s)))
             return Result("stopped", step, str(run_dir), reason=reason, loss=last.get("loss"),
                           mlflow_run_id=tracker.run_id)
         if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
@@ -326,7 +326,7 @@ def pretrain(cfg: Config) -> Result:
                 tracker.log_artifact(path)
         rank0_print(f"done: {weights}")
     dist.barrier()
-    tracker.close(timeout=60.0)
+    tracker.close(timeout=min(60.0, max(5.0, 10 * cfg.tracking.flush_every_s)))
     return Result("completed", step, str(run_dir), loss=last.get("loss"), val_top1=last.get("val_top1"),
                   weights=str(weights), mlflow_run_id=tracker.run_id)
 

@@ -85,6 +85,12 @@ class Tracker(NullTracker):
         self._wake = threading.Event()  # flush/close: deliver now rather than at the next tick
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one mlflow request at a time (thread vs. log_model_pytorch)
+        try:  # create/continue the run now, so the first checkpoint can record its id
+            self._connect()
+        except Exception as e:  # down at start: the thread keeps trying
+            self._down_since = time.monotonic()
+            warnings.warn(f"MLflow at {uri} unreachable ({type(e).__name__}); training continues, "
+                          "metrics are buffered", stacklevel=2)
         self._thread = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
         self._thread.start()
 
@@ -173,11 +179,13 @@ class Tracker(NullTracker):
         if self.run_id is not None:
             if self._tags:
                 c.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self._tags.items()])
+                self._tags = {}
             return
         exp = c.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else c.create_experiment(
             self.experiment, artifact_location=self._artifact_location)
         run = c.create_run(exp_id, run_name=self.run_name, tags=self._tags)
+        self._tags = {}
         params = [Param(k, str(v)[:6000]) for k, v in self._params.items()]
         for i in range(0, len(params), 100):
             c.log_batch(run.info.run_id, params=params[i:i + 100])
@@ -214,7 +222,7 @@ class Tracker(NullTracker):
             self._drain()
             try:
                 with self._lock:
-                    if self.run_id is None or self._client is None:
+                    if self.run_id is None or self._client is None or self._tags:
                         self._connect()
                     self._deliver()
             except Exception as e:  # server down, slow, or refusing: keep the records, retry later

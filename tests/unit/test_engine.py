@@ -1,0 +1,124 @@
+"""Config → DeepSpeed JSON, the optimizer/param-group plumbing, schedules and the synthetic loader."""
+
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.schedule import lr_at
+
+TINY = "configs/pretrain/tiny_cpu.yaml"
+
+
+def cfg_with(*overrides, world_size=2):
+    return load_config(TINY, ["data.path=synthetic", *overrides], world_size=world_size)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_config_per_stage(stage):
+    from pipeline.engine import deepspeed_config
+
+    cfg = cfg_with(f"engine.zero_stage={stage}", "train.global_batch=64", "train.micro_batch=8",
+                   "optim.clip_grad=0.5")
+    ds = deepspeed_config(cfg, world_size=2)
+    assert ds["train_batch_size"] == 64
+    assert ds["train_micro_batch_size_per_gpu"] == 8
+    assert ds["gradient_accumulation_steps"] == 4  # 64 / (8 x 2)
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["stage"] == stage
+    assert ds["bf16"]["enabled"] is False and ds["fp16"]["enabled"] is False
+    assert ("stage3_param_persistence_threshold" in ds["zero_optimization"]) == (stage == 3)
+    assert "offload_optimizer" not in ds["zero_optimization"]
+    assert ds["checkpoint"]["load_universal"] is False
+
+
+def test_deepspeed_config_precision_offload_and_world():
+    from pipeline.engine import deepspeed_config
+
+    cfg = cfg_with("engine.zero_stage=3", "engine.precision=bf16", "engine.offload_optimizer=true",
+                   "engine.offload_params=true", "train.global_batch=128", world_size=4)
+    ds = deepspeed_config(cfg, world_size=4, load_universal=True)
+    assert ds["bf16"]["enabled"] is True
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["gradient_accumulation_steps"] == 2  # 128 / (16 x 4)
+    assert ds["checkpoint"]["load_universal"] is True
+    assert ds["zero_force_ds_cpu_optimizer"] is False  # torch AdamW: no compiled CPU Adam needed
+    fp16 = deepspeed_config(cfg_with("engine.precision=fp16"), world_size=2)
+    assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+
+
+def test_default_param_groups_skip_decay_on_norms_biases_embeddings():
+    from pipeline.engine import default_param_groups
+    from pipeline.model import build_vit
+
+    m = build_vit(width=16, depth=1, heads=2, mlp_dim=32, patch=4, img_size=8, num_classes=3)
+    decay, no_decay = default_param_groups(m, 0.1)
+    names = {id(p): n for n, p in m.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {names[id(p)] for p in no_decay["params"]} >= {"pos_embed", "cls_token", "norm.weight", "head.bias"}
+    assert all(p.ndim == 2 or p.ndim == 4 for p in decay["params"])
+
+
+def test_build_engine_sgd_with_layer_lr_scale():
+    """One process, gloo: the transfer stage's SGD + per-group lr_scale through DeepSpeed ZeRO-1."""
+    from pipeline import engine
+
+    cfg = cfg_with("optim.name=sgd", "optim.lr=0.1", "optim.momentum=0.9", "engine.zero_stage=1",
+                   "train.global_batch=4", "train.micro_batch=4", world_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    groups = [{"params": list(model[0].parameters()), "lr_scale": 0.5},
+              {"params": list(model[1].parameters()), "lr_scale": 1.0}]
+    eng = engine.build_engine(model, cfg, param_groups=groups)
+    engine.set_lr(eng, 0.2)
+    assert [g["lr"] for g in eng.optimizer.param_groups] == [pytest.approx(0.1), pytest.approx(0.2)]
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = eng(torch.randn(4, 4)).pow(2).mean()
+    eng.backward(loss)
+    eng.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert engine.grad_norm(eng) > 0
+
+
+def test_lr_schedule_warmup_then_decay():
+    kw = dict(lr=1.0, total_steps=110, warmup_steps=10)
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw, decay="linear") == pytest.approx(0.5)
+    assert lr_at(60, **kw, decay="cosine") == pytest.approx(0.5)
+    assert lr_at(110, **kw, decay="cosine", end_lr=0.01) == pytest.approx(0.01)
+    assert lr_at(100, **kw, decay="constant") == 1.0
+
+
+def test_synthetic_loader_is_deterministic_resumable_and_world_size_independent():
+    from pipeline import synthetic
+
+    cfg = cfg_with("data.path=synthetic:classes=5,train=64", world_size=1)
+    one = synthetic.TrainLoader(cfg.data, img_size=8, micro_batch=4, global_batch=8, world_size=1)
+    it = iter(one)
+    first = [next(it) for _ in range(4)]  # 2 steps x 2 accumulation
+    ranks = [synthetic.TrainLoader(cfg.data, img_size=8, micro_batch=4, global_batch=8, rank=r, world_size=2)
+             for r in range(2)]
+    its = [iter(r) for r in ranks]
+    for step in range(2):
+        a = torch.cat([first[2 * step][1], first[2 * step + 1][1]])
+        b = torch.cat([next(its[0])[1], next(its[1])[1]])
+        assert torch.equal(a, b)  # the same samples per optimizer step on 1 or 2 ranks
+    state = one.state_dict()
+    assert state["steps"] == 2
+    again = synthetic.TrainLoader(cfg.data, img_size=8, micro_batch=4, global_batch=8, world_size=1)
+    again.load_state_dict(state)
+    x1, y1 = next(it)
+    x2, y2 = next(iter(again))
+    assert torch.equal(x1, x2) and torch.equal(y1, y2) and x1.dtype == torch.uint8
+
+
+def test_synthetic_eval_covers_each_sample_once():
+    from pipeline import synthetic
+
+    cfg = cfg_with("data.path=synthetic:val=10", world_size=1)
+    seen = [len(y) for r in range(3)
+            for _, y in synthetic.EvalLoader(cfg.data, img_size=8, batch=2, rank=r, world_size=3)]
+    assert sum(seen) == 10
+    with pytest.raises(ValueError, match="synthetic option"):
+        synthetic.parse_spec("synthetic:colours=3")

@@ -1,0 +1,81 @@
+"""The asynchronous MLflow tracker: batching, continuing a run, outages (spool), rank-0 only."""
+
+import json
+import socket
+import time
+import warnings
+
+import pytest
+from mlflow import MlflowClient
+
+from pipeline.tracking import SPOOL, NullTracker, Tracker, loss_curve_png, start_tracking
+
+
+def dead_uri() -> str:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mlflow")
+    return f"sqlite:///{d / 'mlflow.db'}", d
+
+
+def test_metrics_params_and_continued_run(store, tmp_path):
+    uri, d = store
+    t = Tracker(uri, experiment="unit", run_name="r", spool_dir=tmp_path, params={"optim.lr": 0.001},
+                tags={"stage": "pretrain"}, flush_every_s=0.2, artifact_location=(d / "art").as_uri())
+    for step in range(1, 51):
+        t.log_metrics({"loss": 1.0 / step, "lr": 0.1}, step)
+    assert t.flush(30)
+    run_id = t.run_id
+    t.close()
+    again = Tracker(uri, experiment="unit", run_name="r", spool_dir=tmp_path, run_id=run_id,
+                    params={"optim.lr": 0.5}, flush_every_s=0.2)
+    again.log_metrics({"loss": 0.001}, 51)
+    again.close()
+    c = MlflowClient(uri)
+    hist = c.get_metric_history(run_id, "loss")
+    assert sorted(m.step for m in hist) == list(range(1, 52))
+    run = c.get_run(run_id)
+    assert run.data.params == {"optim.lr": "0.001"}  # not re-logged on continue
+    assert run.data.tags["stage"] == "pretrain"
+
+
+def test_outage_buffers_spools_and_a_later_tracker_delivers(store, tmp_path):
+    uri, d = store
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        t = Tracker(dead_uri(), experiment="unit-outage", run_name="o", spool_dir=tmp_path, flush_every_s=0.2)
+        t0 = time.perf_counter()
+        for step in range(1, 1001):
+            t.log_metrics({"loss": float(step)}, step)
+        assert time.perf_counter() - t0 < 0.5  # logging never waits for the server
+        t.close(timeout=1.0)
+    assert any("unreachable" in str(x.message) for x in w)
+    lines = (tmp_path / SPOOL).read_text().splitlines()
+    assert len(lines) == 1000 and json.loads(lines[0])["key"] == "loss"
+    t2 = Tracker(uri, experiment="unit-outage", run_name="o", spool_dir=tmp_path, flush_every_s=0.2,
+                 artifact_location=(d / "art").as_uri())
+    assert t2.flush(30)
+    t2.close()
+    assert not (tmp_path / SPOOL).exists()
+    hist = MlflowClient(uri).get_metric_history(t2.run_id, "loss")
+    assert sorted(m.step for m in hist) == list(range(1, 1001))
+
+
+def test_only_rank0_tracks(tmp_path):
+    from pipeline.config import load_config
+
+    cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic"], world_size=2)
+    assert type(start_tracking(cfg, tmp_path, rank=1, world_size=2, stage="pretrain")) is NullTracker
+    cfg.tracking.enabled = False
+    assert type(start_tracking(cfg, tmp_path, rank=0, world_size=2, stage="pretrain")) is NullTracker
+
+
+def test_loss_curve_png(tmp_path):
+    out = loss_curve_png([{"step": s, "loss": 1.0 / s} for s in range(1, 10)], tmp_path / "c.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert loss_curve_png([{"step": 1}], tmp_path / "none.png") is None

@@ -305,7 +305,8 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
     if stage not in STAGES:
         print(f"error: unknown stage {stage!r}; one of {', '.join(STAGES)}", file=sys.stderr)
         return 2
-    args = (_prep_parser() if stage == "prep" else _stage_parser()).parse_args(rest)
+    # intermixed: key=value overrides may come before or after the options
+    args = (_prep_parser() if stage == "prep" else _stage_parser()).parse_intermixed_args(rest)
     cluster = args.cluster or default_cluster()
     from pipeline.config import ConfigError
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import math
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -35,7 +36,8 @@ def _open(data: bytes) -> Image.Image:
 
 def _load_rgb(im: Image.Image) -> Image.Image:
     try:
-        return im.convert("RGB")  # forces the (possibly truncated) decode
+        im.load()  # forces the (possibly truncated) decode
+        return im if im.mode == "RGB" else im.convert("RGB")  # convert() would copy even an RGB image
     except Exception as e:
         raise DecodeError(f"cannot decode image: {e}") from None
 
@@ -154,6 +156,69 @@ class EvalTransform:
         im = _load_rgb(im).resize((tw, th), BICUBIC)
         left, top = (tw - s) // 2, (th - s) // 2
         return to_tensor(im.crop((left, top, left + s, top + s)))
+
+
+def augment_batch(items, transform, seeds, fill_seeds, on_error):
+    """[(key, bytes, label)] × B → (images uint8 [B, 3, S, S], labels int64 [B], keys), or None if no
+    image decodes. An undecodable sample (``on_error(key, err)`` is told) is replaced by another of
+    the same batch re-augmented with its ``fill_seeds`` entry, so the batch keeps its raw samples."""
+    imgs, good = [], []
+    for i, ((key, data, _), s) in enumerate(zip(items, seeds)):
+        try:
+            imgs.append(transform(data, s))
+            good.append(i)
+        except DecodeError as e:
+            on_error(key, e)
+            imgs.append(None)
+    if not good:
+        return None
+    keys, labels = [], []
+    for i in range(len(items)):
+        j = i if imgs[i] is not None else good[i % len(good)]
+        if j != i:
+            imgs[i] = transform(items[j][1], fill_seeds[i])
+        keys.append(items[j][0])
+        labels.append(items[j][2])
+    return torch.stack(imgs), torch.tensor(labels, dtype=torch.int64), keys
+
+
+def eval_batch(items, transform, batch: int, on_error):
+    """[(key, bytes, label)] × n ≤ batch → (images uint8 [batch, 3, S, S], labels int64 [batch],
+    valid bool [batch], keys); rows past n and undecodable ones are invalid (zeros, label -1)."""
+    images = torch.zeros(batch, 3, transform.size, transform.size, dtype=torch.uint8)
+    labels = torch.full((batch,), -1, dtype=torch.int64)
+    valid = torch.zeros(batch, dtype=torch.bool)
+    keys = [""] * batch
+    for i, (key, data, label) in enumerate(items):
+        try:
+            images[i] = transform(data)
+        except DecodeError as e:
+            on_error(key, e)
+            continue
+        labels[i], valid[i], keys[i] = label, True, key
+    return images, labels, valid, keys
+
+
+def shuffle_buffer(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
+    """Shuffle buffer: keep ``size`` items, emit a random one as each new one arrives, then drain."""
+    if size <= 1:
+        yield from items
+        return
+    buf = []
+    for x in items:
+        if len(buf) < size:
+            buf.append(x)
+            continue
+        i = int(rng.integers(size))
+        buf[i], x = x, buf[i]
+        yield x
+    rng.shuffle(buf)
+    yield from buf
+
+
+def sample_seed(*parts: int) -> int:
+    """A 32-bit seed from non-negative ints (numpy SeedSequence: well mixed, order-sensitive)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 
 def normalize(images: torch.Tensor, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),

@@ -4,24 +4,15 @@ A dataset is a `vitp prep` folder: ``_info.json`` (timm's WDS reader layout: spl
 shard_lengths, num_samples; num_classes; classes) and tars whose samples are ``<key>.cls`` (label
 text), ``<key>.jpg|png|webp`` and ``<key>.json``.
 
-How a training epoch is cut (everything is a pure function of (seed, epoch, rank, stream)):
-
-1. The split's shards are permuted with ``(seed, epoch)`` and read as one long sample sequence
-   (their lengths are known from ``_info.json``).
-2. Every (rank, stream) — a stream is one DataLoader worker — owns a contiguous range of that
-   sequence of exactly ``batches × micro_batch`` samples, so one epoch visits each sample once
-   across all ranks and every rank yields the same number of micro-batches whatever the shard sizes.
-   The ``num_samples % global_batch`` tail is dropped (it moves with the shard permutation).
-3. A stream reads its range (skipping into the first shard by tar headers only), passes raw bytes
-   through a seeded shuffle buffer, and if bad samples left it short it re-reads its own range with
-   a new shuffle ("pads from its own stream").
-4. Sample ``i`` of a stream is augmented with a seed made of (seed, epoch, rank, stream, i). An
-   image that fails to decode is replaced inside its batch by another sample of the same batch
-   (re-augmented), so batch ``b`` always consumes raw samples ``[b·B, (b+1)·B)`` of its stream.
-
-Resuming at micro-batch ``k`` therefore re-creates the epoch's streams and skips raw samples
-without decoding; the next batches are bit-identical to the uninterrupted run's. The loader's state
-is the same on every rank: ``{"epoch", "step", "seed", ...}``.
+A training epoch is a pure function of (seed, epoch, rank, stream), a stream being one worker:
+the shards, permuted with (seed, epoch), form one sample sequence (lengths from ``_info.json``);
+each (rank, stream) owns a contiguous range of exactly ``batches × micro_batch`` samples of it
+(every sample once per epoch across ranks; the ``num_samples % global_batch`` tail is dropped),
+reads it through a seeded shuffle buffer, and re-reads its own range if bad samples left it short.
+Sample ``i`` of a stream is augmented with seed (seed, epoch, rank, stream, i); an undecodable image
+is replaced by another sample of its batch, so batch ``b`` always consumes raw samples
+``[b·B, (b+1)·B)``. Resume = re-create the epoch's streams and skip raw samples without decoding:
+bit-identical continuation. The state (``{"epoch", "step", "seed", ...}``) is equal on all ranks.
 
 Batches go out as uint8; the training loop normalises on the device::
 
@@ -46,7 +37,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .augment import DecodeError, EvalTransform, Mixer, TrainTransform, normalize
+from .augment import (
+    EvalTransform,
+    Mixer,
+    TrainTransform,
+    augment_batch,
+    eval_batch,
+    normalize,
+    sample_seed,
+    shuffle_buffer,
+)
 
 __all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "normalize", "DataError",
            "SKIP_REASONS"]
@@ -59,9 +59,7 @@ class DataError(ValueError):
     """A dataset that cannot be read as configured; the message is one line naming the file/key."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Dataset description
-# --------------------------------------------------------------------------------------------------
+# ── Dataset description ────────────────────────────────────────────────────────────────────────────
 @dataclass(frozen=True)
 class SplitInfo:
     name: str
@@ -133,9 +131,7 @@ def _count_samples(url: str) -> int:
     return sum(1 for _ in _read_shard(url, _Counts(), 0, None, num_classes=None, read=False))
 
 
-# --------------------------------------------------------------------------------------------------
-# Raw samples out of tars (no decoding)
-# --------------------------------------------------------------------------------------------------
+# ── Raw samples out of tars (no decoding) ──────────────────────────────────────────────────────────
 class _Counts(dict):
     """Skip counters by reason; ``active=False`` while re-reading already-consumed samples."""
 
@@ -262,25 +258,15 @@ def _stop(hi: int, length: int) -> int | None:
     return None if hi >= length else hi
 
 
-def _shuffled(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
-    """Shuffle buffer: keep ``size`` items, emit a random one as each new one arrives, then drain."""
-    if size <= 1:
-        yield from items
-        return
-    buf = []
-    for x in items:
-        if len(buf) < size:
-            buf.append(x)
-            continue
-        i = int(rng.integers(size))
-        buf[i], x = x, buf[i]
-        yield x
-    rng.shuffle(buf)
-    yield from buf
+def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
+    if rank is None or world is None:
+        from launch.distributed import dist_env
 
-
-def _seed(*parts: int) -> int:
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+        env = dist_env()
+        rank, world = (env.rank if rank is None else rank), (env.world_size if world is None else world)
+    if not 0 <= rank < world:
+        raise DataError(f"rank {rank} is outside world size {world}")
+    return rank, world
 
 
 def _worker() -> tuple[int, int]:
@@ -292,27 +278,7 @@ def _init_worker(_):
     torch.set_num_threads(1)  # decode/augment is per-sample; intra-op threads only fight each other
 
 
-def _decode_batch(samples, transform, seeds, counts: _Counts, seen_bad: set | None = None):
-    """[(pos, (key, bytes, label))] → images uint8 [B, 3, S, S], labels [B], keys, ok mask [B]."""
-    imgs, ok = [], []
-    for (_, (key, data, _)), s in zip(samples, seeds):
-        try:
-            imgs.append(transform(data, s))
-            ok.append(True)
-        except DecodeError as e:
-            if seen_bad is None or key not in seen_bad:  # a stream that wraps meets it again
-                counts.add("undecodable_image")
-                warnings.warn(f"sample {key}: {e}; skipped", stacklevel=2)
-                if seen_bad is not None:
-                    seen_bad.add(key)
-            imgs.append(None)
-            ok.append(False)
-    return imgs, ok
-
-
-# --------------------------------------------------------------------------------------------------
-# Training
-# --------------------------------------------------------------------------------------------------
+# ── Training ───────────────────────────────────────────────────────────────────────────────────────
 class _TrainEpoch(IterableDataset):
     """One epoch of one rank, from micro-batch ``start`` on; worker d serves logical stream
     (start + d) % n so DataLoader's round-robin yields micro-batches in index order."""
@@ -355,7 +321,7 @@ def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts)
                 if not got:
                     raise DataError(f"{sp.name}: {len(urls)} shards drawn in a row held no readable sample")
 
-        yield from _shuffled(draws(), p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 2]))
+        yield from shuffle_buffer(draws(), p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 2]))
         return
     order = np.random.default_rng([seed, epoch, 0]).permutation(len(urls))
     segs = _segments(lengths, order, _stream_quota_start(p, stream, n), count * p["micro_batch"])
@@ -363,7 +329,7 @@ def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts)
         got = 0
         counts.rereading = rnd > 0
         raw = (x for s, lo, hi in segs for x in _read_shard(urls[s], counts, lo, _stop(hi, lengths[s]), num_classes=K))
-        for x in _shuffled(raw, p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 3, rnd])):
+        for x in shuffle_buffer(raw, p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 3, rnd])):
             got += 1
             yield x
         if not got:
@@ -372,6 +338,7 @@ def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts)
 
 
 def _train_stream(p, epoch: int, stream: int, n: int, count: int, done: int):
+    """Batches ``done .. count-1`` of (rank, stream): (images, labels, keys, skip-count delta)."""
     counts, seen_bad = _Counts(), set()
     mb, seed, rank = p["micro_batch"], p["seed"], p["rank"]
     tf = TrainTransform(p["img_size"], p["crop_scale"], p["hflip"], p["randaugment"])
@@ -380,23 +347,21 @@ def _train_stream(p, epoch: int, stream: int, n: int, count: int, done: int):
     for _ in itertools.islice(raw, done * mb):
         pass
     counts.active = True
+
+    def undecodable(key, err):
+        if key not in seen_bad:  # a stream that wraps meets it again
+            seen_bad.add(key)
+            counts.add("undecodable_image")
+            warnings.warn(f"sample {key}: {err}; skipped", stacklevel=2)
+
     for _ in range(done, count):
-        batch = list(itertools.islice(raw, mb))
-        seeds = [_seed(seed, epoch, rank, stream, pos) for pos, _ in batch]
-        imgs, ok = _decode_batch(batch, tf, seeds, counts, seen_bad)
-        while not any(ok):  # all undecodable: take more (the only case that shifts later positions)
+        out = None
+        while out is None:  # None: nothing in the batch decoded; take more (shifts later positions)
             batch = list(itertools.islice(raw, mb))
-            imgs, ok = _decode_batch(batch, tf, [_seed(seed, epoch, rank, stream, pos) for pos, _ in batch], counts,
-                                     seen_bad)
-        good = [i for i in range(mb) if ok[i]]
-        keys, labels = [], []
-        for i in range(mb):
-            j = i if ok[i] else good[i % len(good)]  # pad from this batch: same stream, new augmentation
-            if not ok[i]:
-                imgs[i] = tf(batch[j][1][1], _seed(seed, epoch, rank, stream, batch[i][0], 1))
-            keys.append(batch[j][1][0])
-            labels.append(batch[j][1][2])
-        yield torch.stack(imgs), torch.tensor(labels, dtype=torch.int64), keys, counts.take()
+            pos = [i for i, _ in batch]
+            out = augment_batch([x for _, x in batch], tf, [sample_seed(seed, epoch, rank, stream, i) for i in pos],
+                                [sample_seed(seed, epoch, rank, stream, i, 1) for i in pos], undecodable)
+        yield (*out, counts.take())
 
 
 class TrainLoader:
@@ -413,14 +378,7 @@ class TrainLoader:
     def __init__(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int,
                  rank: int | None = None, world_size: int | None = None, seed: int = 0, split: str | None = None,
                  num_workers: int | None = None, return_keys: bool = False, pin_memory: bool = False):
-        if rank is None or world_size is None:
-            from launch.distributed import dist_env
-
-            env = dist_env()
-            rank = env.rank if rank is None else rank
-            world_size = env.world_size if world_size is None else world_size
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world size {world_size}")
+        rank, world_size = _rank_world(rank, world_size)
         if global_batch % (world_size * micro_batch):
             raise DataError(f"train.global_batch: {global_batch} is not divisible by world size {world_size} x "
                             f"train.micro_batch {micro_batch}")
@@ -492,10 +450,13 @@ class TrainLoader:
 
     def state_dict(self) -> dict:
         """Position after the last yielded micro-batch (equal on every rank except ``skipped``)."""
-        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, "world_size": self.world_size,
-                "workers": max(1, self.num_workers), "micro_batch": self.micro_batch,
+        return {"epoch": self.epoch, "step": self.step, "seed": self.seed, **self._layout(),
+                "skipped": dict(self.skipped)}
+
+    def _layout(self) -> dict:  # what an epoch's cut depends on besides the seed
+        return {"world_size": self.world_size, "workers": max(1, self.num_workers), "micro_batch": self.micro_batch,
                 "global_batch": self.global_batch, "num_samples": self.split.num_samples,
-                "resampled": bool(self.cfg.resampled), "skipped": dict(self.skipped)}
+                "resampled": bool(self.cfg.resampled)}
 
     def load_state_dict(self, sd: dict) -> None:
         """Continue from ``sd``: the next micro-batches equal those the saved run would have yielded.
@@ -504,19 +465,13 @@ class TrainLoader:
         self.seed = int(sd["seed"])
         self.epoch, self.step = int(sd["epoch"]), int(sd["step"])
         self.skipped = dict(sd.get("skipped", {}))
-        same = (sd.get("world_size"), sd.get("workers"), sd.get("micro_batch"), sd.get("global_batch"),
-                sd.get("num_samples"), sd.get("resampled")) == (
-            self.world_size, max(1, self.num_workers), self.micro_batch, self.global_batch,
-            self.split.num_samples, bool(self.cfg.resampled))
-        if not same and self.step:
+        if any(sd.get(k) != v for k, v in self._layout().items()) and self.step:
             warnings.warn("data loader state is from a different layout (world size/workers/batch/dataset); "
                           f"continuing at the start of epoch {self.epoch + 1}", stacklevel=2)
             self.epoch, self.step = self.epoch + 1, 0
 
 
-# --------------------------------------------------------------------------------------------------
-# Evaluation
-# --------------------------------------------------------------------------------------------------
+# ── Evaluation ─────────────────────────────────────────────────────────────────────────────────────
 class _EvalRank(IterableDataset):
     """A rank's batches ``[0, num_batches)``; worker d takes a contiguous block of them (eval does
     not care about order, and a block reads its shards in one pass)."""
@@ -529,26 +484,18 @@ class _EvalRank(IterableDataset):
     def __iter__(self):
         d, n = _worker()
         b0, b1 = d * self.nb // n, (d + 1) * self.nb // n
-        counts, B, S = _Counts(), self.B, self.tf.size
+        counts, B = _Counts(), self.B
         first, last = min(self.lo + b0 * B, self.hi), min(self.lo + b1 * B, self.hi)
         segs = _segments(list(self.sp.lengths), range(len(self.sp.urls)), first, last - first) if last > first else []
         raw = (x for s, lo, hi in segs
                for x in _read_shard(self.sp.urls[s], counts, lo, _stop(hi, self.sp.lengths[s]), num_classes=self.K))
+        def undecodable(key, err):
+            counts.add("undecodable_image")
+            warnings.warn(f"sample {key}: {err}; not evaluated", stacklevel=2)
+
         for b in range(b0, b1):
-            real = max(0, min(B, self.hi - (self.lo + b * B)))
-            images = torch.zeros(B, 3, S, S, dtype=torch.uint8)
-            labels = torch.full((B,), -1, dtype=torch.int64)
-            mask = torch.zeros(B, dtype=torch.bool)
-            keys = [""] * B
-            for i, (key, data, label) in enumerate(itertools.islice(raw, real)):  # short if a shard is cut
-                try:
-                    images[i] = self.tf(data)
-                except DecodeError as e:
-                    counts.add("undecodable_image")
-                    warnings.warn(f"sample {key}: {e}; not evaluated", stacklevel=2)
-                    continue
-                labels[i], mask[i], keys[i] = label, True, key
-            yield images, labels, mask, keys, counts.take()
+            real = max(0, min(B, self.hi - (self.lo + b * B)))  # fewer come if a shard is cut off
+            yield (*eval_batch(list(itertools.islice(raw, real)), self.tf, B, undecodable), counts.take())
 
 
 class EvalLoader:
@@ -565,14 +512,7 @@ class EvalLoader:
     def __init__(self, cfg_data, *, img_size: int, batch: int, rank: int | None = None,
                  world_size: int | None = None, split: str | None = None, num_workers: int | None = None,
                  return_keys: bool = False, crop_pct: float | None = None):
-        if rank is None or world_size is None:
-            from launch.distributed import dist_env
-
-            env = dist_env()
-            rank = env.rank if rank is None else rank
-            world_size = env.world_size if world_size is None else world_size
-        if not 0 <= rank < world_size:
-            raise DataError(f"rank {rank} is outside world size {world_size}")
+        rank, world_size = _rank_world(rank, world_size)
         name = split or cfg_data.val_split
         if not name:
             raise DataError("data.val_split: not set; no split to evaluate")

@@ -1,0 +1,192 @@
+"""Training-loader throughput, side by side in one run (images/s to a training-ready float batch).
+
+Same ~500×375 JPEGs, same worker count, train transform at 224 (inception crop + flip):
+
+  vitp          TrainLoader over WebDataset shards (uint8 out, normalised in the main process)
+  inmemory      the same decode+augment over bytes already in RAM (the ceiling: no tar I/O)
+  imagefolder   torchvision ImageFolder + DataLoader, the usual recipe (RandomResizedCrop, flip,
+                ToTensor, Normalize in the workers)
+  timm_wds      timm's own WebDataset reader over the same shards + timm.data.create_loader
+                (same crop scale, flip, no colour jitter; uint8 collate, normalised in the main process)
+  vitp_1w       vitp with one worker, for the scaling ratio
+
+Each pipeline runs ``--reps`` times in an interleaved order; the best rep counts (shared machine).
+Prints ``ratio loader_vs_inmemory``, ``loader_vs_imagefolder``, ``loader_2w_vs_1w``, ``loader_vs_timm_wds``.
+
+Example:  python bench/loader.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFilter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.augment import TrainTransform, normalize  # noqa: E402
+from pipeline.config import DataCfg  # noqa: E402
+from pipeline.data import TrainLoader  # noqa: E402
+
+SIZE, SCALE = 224, (0.08, 1.0)
+
+
+def natural_jpeg(i: int, w: int = 500, h: int = 375) -> bytes:
+    """Smooth gradients, blurred shapes and sensor-like noise: compresses like a photo (~30-60 kB)."""
+    rng = np.random.default_rng(i)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    chans = [np.sin(x / rng.uniform(15, 90) + rng.uniform(0, 6)) * 50
+             + np.cos(y / rng.uniform(15, 90) + rng.uniform(0, 6)) * 40 + rng.uniform(60, 190) for _ in range(3)]
+    im = Image.fromarray(np.clip(np.stack(chans, -1) + rng.normal(0, 10, (h, w, 3)), 0, 255).astype(np.uint8))
+    d = ImageDraw.Draw(im)
+    for _ in range(12):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        d.ellipse([x0, y0, x0 + int(rng.integers(10, 160)), y0 + int(rng.integers(10, 160))],
+                  fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+    im = im.filter(ImageFilter.GaussianBlur(1.2))
+    b = io.BytesIO()
+    im.save(b, "JPEG", quality=90)
+    return b.getvalue()
+
+
+def make_data(root: Path, n: int, shards: int, classes: int = 10) -> list[tuple[bytes, int]]:
+    samples = [(natural_jpeg(i), i % classes) for i in range(n)]
+    for c in range(classes):
+        (root / "folder" / f"c{c:02d}").mkdir(parents=True, exist_ok=True)
+    files, lengths = [], []
+    for s in range(shards):
+        idx = list(range(s, n, shards))
+        name = f"train-{s:06d}.tar"
+        with tarfile.open(root / name, "w") as tar:
+            for i in idx:
+                data, label = samples[i]
+                for ext, b in (("cls", str(label).encode()), ("jpg", data), ("json", b"{}")):
+                    ti = tarfile.TarInfo(f"{i:06d}.{ext}")
+                    ti.size = len(b)
+                    tar.addfile(ti, io.BytesIO(b))
+                (root / "folder" / f"c{label:02d}" / f"{i:06d}.jpg").write_bytes(data)
+        files.append(name)
+        lengths.append(len(idx))
+    info = {"splits": {"train": {"name": "train", "num_samples": n, "filenames": files, "shard_lengths": lengths}},
+            "num_classes": classes}
+    (root / "_info.json").write_text(json.dumps(info))
+    return samples
+
+
+class InMemory(torch.utils.data.IterableDataset):
+    """The ceiling: vitp's per-sample transform over bytes in RAM, batched in the workers."""
+
+    def __init__(self, samples, batch):
+        self.samples, self.batch, self.tf = samples, batch, TrainTransform(SIZE, SCALE, True, None)
+
+    def __iter__(self):
+        wi = torch.utils.data.get_worker_info()
+        d, n = (0, 1) if wi is None else (wi.id, wi.num_workers)
+        nb = len(self.samples) // self.batch
+        for b in range(d, nb, n):
+            chunk = self.samples[b * self.batch:(b + 1) * self.batch]
+            imgs = [self.tf(data, b * 7919 + j) for j, (data, _) in enumerate(chunk)]
+            yield torch.stack(imgs), torch.tensor([lab for _, lab in chunk])
+
+
+def _one_thread(_):
+    torch.set_num_threads(1)
+
+
+def pipelines(root: Path, samples, batch: int, workers: int):
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    cfg = DataCfg(path=str(root), workers=workers, shuffle_buffer=256, crop_scale=list(SCALE))
+
+    def vitp(w):
+        return lambda: TrainLoader(cfg, img_size=SIZE, micro_batch=batch, global_batch=batch, rank=0, world_size=1,
+                                   seed=0, num_workers=w)
+
+    def inmem():
+        return torch.utils.data.DataLoader(InMemory(samples, batch), batch_size=None, num_workers=workers,
+                                           worker_init_fn=_one_thread)
+
+    def folder():
+        tf = T.Compose([T.RandomResizedCrop(SIZE, scale=SCALE), T.RandomHorizontalFlip(), T.ToTensor(),
+                        T.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+        ds = datasets.ImageFolder(str(root / "folder"), transform=tf)
+        return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True,
+                                           worker_init_fn=_one_thread)
+
+    def timm_wds():
+        from timm.data import create_dataset, create_loader
+
+        ds = create_dataset("wds/bench", root=str(root), split="train", is_training=True, batch_size=batch)
+        return create_loader(ds, input_size=(3, SIZE, SIZE), batch_size=batch, is_training=True, scale=SCALE,
+                             color_jitter=0.0, hflip=0.5, interpolation="bilinear", mean=(0.5,) * 3, std=(0.5,) * 3,
+                             num_workers=workers, device=torch.device("cpu"), use_prefetcher=True,
+                             persistent_workers=False)
+
+    return {"vitp": vitp(workers), "inmemory": inmem, "imagefolder": folder, "timm_wds": timm_wds,
+            "vitp_1w": vitp(1)}
+
+
+def measure(make) -> float:
+    """Images/s from the first batch to the end of one epoch (worker start-up excluded)."""
+    loader = make()
+    n, t0 = 0, None
+    for x, _ in loader:
+        if x.dtype == torch.uint8:
+            x = normalize(x)  # the same host work for every uint8 pipeline
+        if t0 is None:
+            t0 = time.perf_counter()
+            continue
+        n += x.shape[0]
+    return n / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small run (≈1 min on 2 cores)")
+    ap.add_argument("--images", type=int, default=1536)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", default="", help="comma-separated subset of pipelines")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.images, a.reps = 384, 2
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        t = time.perf_counter()
+        samples = make_data(root, a.images, shards=8)
+        kb = np.mean([len(d) for d, _ in samples]) / 1024
+        print(f"data: {a.images} JPEGs 500x375 (~{kb:.0f} kB) in 8 shards + ImageFolder, "
+              f"{time.perf_counter() - t:.1f}s; workers={a.workers} batch={a.batch} cpus={os.cpu_count()}")
+        pipes = pipelines(root, samples, a.batch, a.workers)
+        if a.only:
+            pipes = {k: v for k, v in pipes.items() if k in a.only.split(",")}
+        best: dict[str, float] = {}
+        for rep in range(a.reps):
+            names = list(pipes) if rep % 2 == 0 else list(pipes)[::-1]  # alternate order against drift
+            for name in names:
+                ips = measure(pipes[name])
+                best[name] = max(best.get(name, 0.0), ips)
+                print(f"rep {rep} {name:12s} {ips:8.1f} img/s", flush=True)
+    for name, ips in best.items():
+        print(f"best {name:12s} {ips:8.1f} img/s")
+    for label, num, den in (("loader_vs_inmemory", "vitp", "inmemory"), ("loader_vs_imagefolder", "vitp", "imagefolder"),
+                            ("loader_2w_vs_1w", "vitp", "vitp_1w"), ("loader_vs_timm_wds", "vitp", "timm_wds")):
+        if num in best and den in best:
+            print(f"ratio {label} {best[num] / best[den]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 
 from pipeline import fewshot as fs
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # images [B, C, H, W] (or uint8 for `prepare`), labels [B]
+# images [B, C, H, W] (or uint8 for `prepare`), labels [B][, valid bool [B]: pipeline.data pads the
+# last batches of a rank with invalid rows so all ranks run the same number of batches]
+Batch = tuple[torch.Tensor, ...]
 
 
 def _world() -> tuple[int, int]:
@@ -73,7 +75,10 @@ class ClassifyResult:
                 f"{prefix}/n": float(self.n)}
 
 
-def _to_device(x: torch.Tensor, y: torch.Tensor, device, prepare, dtype) -> Batch:
+def _to_device(batch: Batch, device, prepare, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch[0], batch[1]
+    if len(batch) > 2 and batch[2] is not None and not bool(batch[2].all()):
+        x, y = x[batch[2]], y[batch[2]]  # drop padding rows: they are no samples
     x = x.to(device, non_blocking=True)
     x = prepare(x) if prepare is not None else x
     return x.to(dtype), y.to(device, non_blocking=True).long()
@@ -95,8 +100,10 @@ def classify(model: torch.nn.Module, batches: Iterable[Batch], num_classes: int,
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     k5 = min(5, num_classes)
     seen, t0 = 0, time.perf_counter()
-    for x, y in batches:
-        x, y = _to_device(x, y, device, prepare, dtype)
+    for batch in batches:
+        x, y = _to_device(batch, device, prepare, dtype)
+        if not y.numel():
+            continue
         with torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None):
             logits = model(x)
         if logits.shape[-1] != num_classes:
@@ -141,10 +148,12 @@ def extract_features(model: torch.nn.Module, batches: Iterable[Batch], *, device
     was_training = model.training
     model.eval()
     feats, labels, n = [], [], 0
-    for x, y in batches:
+    for batch in batches:
         if max_images is not None and n >= max_images:
             break
-        x, y = _to_device(x, y, device, prepare, dtype)
+        x, y = _to_device(batch, device, prepare, dtype)
+        if not y.numel():
+            continue
         feats.append(model.forward_head(model.forward_features(x), pre_logits=True).float().cpu())
         labels.append(y.cpu())
         n += y.numel()

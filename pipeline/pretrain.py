@@ -71,8 +71,9 @@ def data_module(cfg: Config):
 def num_classes_of(cfg: Config, data) -> int:
     if cfg.model.num_classes:
         return cfg.model.num_classes
-    info = data.read_info(cfg.data.path)
-    return int(info.get("num_classes") or len(info["classes"]))
+    info = data.read_info(cfg.data.path)  # a dict (synthetic) or pipeline.data.Info
+    get = info.get if isinstance(info, dict) else lambda k: getattr(info, k, None)
+    return int(get("num_classes") or len(get("classes")))
 
 
 def model_kwargs(cfg: Config, num_classes: int) -> dict:
@@ -86,13 +87,17 @@ def model_kwargs(cfg: Config, num_classes: int) -> dict:
     return kw
 
 
-def loss_fn(cfg: Config, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """logits [B, K] (fp32), labels [B] → scalar. "sigmoid": the paper's per-class sigmoid
+def loss_fn(cfg: Config, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [B, K] (fp32), targets: labels [B] int64 or soft targets [B, K] (mixup/smoothing
+    already applied by the loader) → scalar. "sigmoid": the paper's per-class sigmoid
     cross-entropy, summed over classes, averaged over the batch."""
+    soft = targets.ndim == 2
     if cfg.train.loss == "sigmoid":
-        target = F.one_hot(labels, logits.shape[-1]).to(logits.dtype)
+        target = targets.to(logits.dtype) if soft else F.one_hot(targets, logits.shape[-1]).to(logits.dtype)
         return F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean()
-    return F.cross_entropy(logits, labels, label_smoothing=cfg.data.label_smoothing)
+    if soft:
+        return -(targets * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+    return F.cross_entropy(logits, targets, label_smoothing=cfg.data.label_smoothing)
 
 
 def prepare_run_dir(cfg: Config, rank: int) -> Path | None:
@@ -153,17 +158,25 @@ def evaluate(engine, cfg: Config, data, device, dtype) -> dict:
             break
         if batch is None:
             x = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size, dtype=torch.uint8)
-        else:
-            x, y = batch
-        logits = engine(data.normalize(x).to(device, dtype)).float()
-        if batch is not None:
-            y = y.to(device)
+            y, valid = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.bool)
+        else:  # pipeline.data pads ranks to equal batch counts and marks padding valid=False
+            x, y = batch[0], batch[1]
+            valid = batch[2] if len(batch) > 2 else torch.ones(len(y), dtype=torch.bool)
+        logits = engine(data.normalize(x.to(device)).to(dtype)).float()
+        valid = valid.to(device)
+        y, logits = y.to(device)[valid], logits[valid]
+        if len(y):
             sums += torch.tensor([(logits.argmax(-1) == y).sum().item(),
                                   loss_fn(cfg, logits, y).item() * len(y), len(y)], dtype=torch.float64)
     dist.all_reduce(sums)
     engine.train()
     n = max(sums[2].item(), 1.0)
     return {"val_top1": sums[0].item() / n, "val_loss": sums[1].item() / n, "val_n": int(sums[2].item())}
+
+
+def skipped_count(loader) -> int:
+    s = getattr(loader, "skipped", 0)  # pipeline.data: reason -> count
+    return int(sum(s.values()) if isinstance(s, dict) else s)
 
 
 def memory_gb() -> dict:
@@ -244,7 +257,8 @@ def pretrain(cfg: Config) -> Result:
     flops = step_flops(model, cfg, cfg.train.micro_batch * accum)
     window = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count over logged steps
     t_window, steps_window, saved_at, last = time.perf_counter(), 0, None, {}
-    batches = iter(loader)
+    batches = loader.forever() if hasattr(loader, "forever") else iter(loader)  # across epochs
+    mix = getattr(loader, "mix", None)  # pipeline.data: mixup/cutmix/smoothing → soft targets
     engine.train()
     while step < cfg.train.steps:
         ckpt_lib.maybe_fault("step", step + 1)
@@ -256,8 +270,10 @@ def pretrain(cfg: Config) -> Result:
         for m in range(accum):
             images, labels = next(batches)
             labels = labels.to(device)
-            logits = engine(data.normalize(images).to(device, dtype)).float()
-            loss = loss_fn(cfg, logits, labels)
+            x = data.normalize(images.to(device))
+            x, targets = mix(x, labels) if mix is not None else (x, labels)
+            logits = engine(x.to(dtype)).float()
+            loss = loss_fn(cfg, logits, targets)
             engine.backward(loss)
             if m < accum - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro step
@@ -284,7 +300,7 @@ def pretrain(cfg: Config) -> Result:
             record.update(loss=window[0].item() / window[2].item(), top1=window[1].item() / window[2].item(),
                           lr=lr, grad_norm=eng_lib.grad_norm(engine),
                           images_per_s=cfg.train.global_batch / dt, step_s=dt,
-                          mfu=flops / dt / (cfg.hardware.peak_tflops * 1e12), skipped=getattr(loader, "skipped", 0),
+                          mfu=flops / dt / (cfg.hardware.peak_tflops * 1e12), skipped=skipped_count(loader),
                           **memory_gb())
             rank0_print(f"step {step:>7d}/{cfg.train.steps}  loss {record['loss']:.4f}  top1 {record['top1']:.3f}  "
                         f"lr {lr:.2e}  gnorm {record['grad_norm']:.3f}  {record['images_per_s']:.1f} img/s  "

@@ -1,0 +1,69 @@
+"""Checkpoint pieces that need no training run: RNG round trip, publishing rules, run-dir guard."""
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import checkpoint as ck
+
+
+def test_rng_state_round_trips_through_weights_only_load(tmp_path):
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    state = ck.rng_state()
+    torch.save(state, tmp_path / "s.pt")
+    expect = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    ck.set_rng_state(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expect
+
+
+def test_only_published_checkpoints_count(tmp_path):
+    root = ck.root(tmp_path)
+    (root / "tmp-step-00000009").mkdir(parents=True)  # torn save
+    (root / "step-00000008").mkdir()  # no manifest: never published
+    for s in (2, 4):
+        (root / ck.tag_for(s)).mkdir()
+        (root / ck.tag_for(s) / ck.MANIFEST).write_text(json.dumps({"step": s, "world_size": 2}))
+    assert [p.name for p in ck.complete_checkpoints(tmp_path)] == ["step-00000002", "step-00000004"]
+    assert ck.latest_checkpoint(tmp_path).name == "step-00000004"
+    assert ck.latest_checkpoint(tmp_path / "nothing") is None
+
+
+def test_run_dir_guard(tmp_path):
+    from pipeline.config import load_config, write_resolved
+    from pipeline.pretrain import RunDirError, prepare_run_dir
+
+    cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic", f"run.dir={tmp_path}"],
+                      world_size=1)
+    assert prepare_run_dir(cfg, 0) is None  # empty: start
+    write_resolved(cfg, tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    assert prepare_run_dir(cfg, 0) is None  # this very run, died before its first checkpoint
+    cfg.optim.lr = 0.5
+    with pytest.raises(RunDirError, match="run.fresh=true"):
+        prepare_run_dir(cfg, 0)
+
+
+def test_metrics_file_drops_records_past_the_resumed_step(tmp_path):
+    from pipeline.pretrain import keep_metrics_up_to
+
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
+    kept = keep_metrics_up_to(p, 4)
+    assert [r["step"] for r in kept] == [1, 2, 3, 4]
+    assert len(p.read_text().splitlines()) == 4
+
+
+def test_fault_hook_is_inert_without_env(monkeypatch):
+    monkeypatch.delenv("VITP_TEST_KILL_AT_STEP", raising=False)
+    ck.maybe_fault("step", 1)  # returns
+    monkeypatch.setenv("VITP_TEST_KILL_AT_STEP", "3")
+    monkeypatch.setenv("RANK", "0")
+    ck.maybe_fault("step", 3)  # rank 0 is not the kill rank (default 1): returns

@@ -157,11 +157,12 @@ def main(argv=None) -> None:
     ap.add_argument("--images", type=int, default=1536)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None, help="default 3 (2 with --quick)")
     ap.add_argument("--only", default="", help="comma-separated subset of pipelines")
     a = ap.parse_args(argv)
     if a.quick:
-        a.images, a.reps = 384, 2
+        a.images = 384
+    a.reps = a.reps or (2 if a.quick else 3)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -182,7 +183,8 @@ def main(argv=None) -> None:
                 print(f"rep {rep} {name:12s} {ips:8.1f} img/s", flush=True)
     for name, ips in best.items():
         print(f"best {name:12s} {ips:8.1f} img/s")
-    for label, num, den in (("loader_vs_inmemory", "vitp", "inmemory"), ("loader_vs_imagefolder", "vitp", "imagefolder"),
+    for label, num, den in (("loader_vs_inmemory", "vitp", "inmemory"),
+                            ("loader_vs_imagefolder", "vitp", "imagefolder"),
                             ("loader_2w_vs_1w", "vitp", "vitp_1w"), ("loader_vs_timm_wds", "vitp", "timm_wds")):
         if num in best and den in best:
             print(f"ratio {label} {best[num] / best[den]:.3f}")

@@ -215,6 +215,10 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
     else:
         with ex.batch():
             jobs = [ex.submit(c) for c in calls]
+    try:  # submitit's local executor leaves its unformatted folder template behind
+        (Path(cfgs[0].cluster.log_dir) / "%j").rmdir()
+    except OSError:
+        pass
     entries = []
     for job, cfg, call in zip(jobs, cfgs, calls):
         folder = Path(job.paths.folder)

@@ -24,14 +24,9 @@ Batches go out as uint8; the training loop normalises on the device::
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import tarfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,215 +42,21 @@ from .augment import (
     sample_seed,
     shuffle_buffer,
 )
+from .shards import (  # re-exported: callers import the dataset API from here
+    SKIP_REASONS,
+    DataError,
+    Info,
+    SplitInfo,
+    _Counts,
+    _read_shard,
+    _segments,
+    _stop,
+    read_info,
+)
 
 __all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "normalize", "DataError",
            "SKIP_REASONS"]
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-SKIP_REASONS = ("corrupt_tar", "missing_cls", "bad_cls", "missing_image", "undecodable_image")
-
-
-class DataError(ValueError):
-    """A dataset that cannot be read as configured; the message is one line naming the file/key."""
-
-
-# ── Dataset description ────────────────────────────────────────────────────────────────────────────
-@dataclass(frozen=True)
-class SplitInfo:
-    name: str
-    num_samples: int
-    urls: tuple[str, ...]  # one per shard: a local path, or a URL webdataset's gopen can open
-    lengths: tuple[int, ...]  # samples per shard
-
-
-@dataclass(frozen=True)
-class Info:
-    path: str
-    num_classes: int
-    classes: tuple[str, ...]
-    splits: dict[str, SplitInfo] = field(default_factory=dict)
-
-    def split(self, name: str) -> SplitInfo:
-        """The named split; an error naming the dataset if it is missing or empty."""
-        if name not in self.splits:
-            raise DataError(f"{self.path}/_info.json: no split {name!r} (has: {', '.join(self.splits) or 'none'})")
-        sp = self.splits[name]
-        if sp.num_samples <= 0 or not sp.urls:
-            raise DataError(f"{self.path}/_info.json: split {name!r} is empty (0 samples)")
-        return sp
-
-
-def _is_url(s: str) -> bool:
-    return "://" in s or s.startswith("pipe:")
-
-
-def read_info(path: str | os.PathLike) -> Info:
-    """Read ``<path>/_info.json`` (+ ``classes.json`` if the info has no class list) and check that
-    every local shard it names exists."""
-    root = str(path)
-    if _is_url(root):
-        raise DataError(f"data.path: {root!r}: remote datasets need a local _info.json copy; give its folder")
-    f = Path(root) / "_info.json"
-    if not f.is_file():
-        raise DataError(f"{f}: not found (is data.path a `vitp prep` output folder, and did prep finish?)")
-    try:
-        raw = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{f}: unreadable ({e})") from None
-    classes = raw.get("classes")
-    cfile = Path(root) / "classes.json"
-    if classes is None and cfile.is_file():
-        classes = json.loads(cfile.read_text(encoding="utf-8"))
-    classes = tuple(str(c) for c in (classes or ()))
-    num_classes = int(raw.get("num_classes", len(classes)))
-    splits = {}
-    for name, sp in (raw.get("splits") or {}).items():
-        files = list(sp.get("filenames") or [])
-        urls = tuple(u if _is_url(u) or os.path.isabs(u) else os.path.join(root, u) for u in files)
-        for u in urls:
-            if not _is_url(u) and not os.path.isfile(u):
-                raise DataError(f"{f}: split {name!r} names shard {u} which does not exist")
-        lengths = sp.get("shard_lengths")
-        if lengths is None or len(lengths) != len(urls):
-            lengths = [_count_samples(u) for u in urls]  # older/foreign info: count once, by headers
-        lengths = tuple(int(n) for n in lengths)
-        splits[name] = SplitInfo(name, int(sp.get("num_samples", sum(lengths))), urls, lengths)
-    if not splits:
-        raise DataError(f"{f}: no splits")
-    if num_classes <= 0:
-        raise DataError(f"{f}: num_classes is {num_classes}; need >= 1")
-    return Info(root, num_classes, classes, splits)
-
-
-def _count_samples(url: str) -> int:
-    return sum(1 for _ in _read_shard(url, _Counts(), 0, None, num_classes=None, read=False))
-
-
-# ── Raw samples out of tars (no decoding) ──────────────────────────────────────────────────────────
-class _Counts(dict):
-    """Skip counters by reason; ``active=False`` while re-reading already-consumed samples."""
-
-    active = True  # False while skipping samples consumed before a resume (counted then)
-    rereading = False  # True on a stream's second pass over its range (counted on the first)
-
-    def add(self, reason: str, n: int = 1) -> None:
-        if self.active and not self.rereading:
-            self[reason] = self.get(reason, 0) + n
-
-    def take(self) -> dict:
-        out = dict(self)
-        self.clear()
-        return out
-
-
-def _split_name(name: str) -> tuple[str, str]:
-    """"dir/abc.def.jpg" → ("dir/abc", "def.jpg") — webdataset's key/extension convention."""
-    d, _, base = name.rpartition("/")
-    stem, _, ext = base.partition(".")
-    return (f"{d}/{stem}" if d else stem), ext.lower()
-
-
-def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_classes: int | None,
-                read: bool = True) -> Iterator[tuple[str, bytes | None, int]]:
-    """Valid samples ``start <= i < stop`` of one shard as (key, image bytes, label).
-
-    A valid sample has an image member and a ``.cls`` holding an int in [0, num_classes); invalid
-    ones are counted and do not take an index (so indices agree with prep's shard_lengths).
-    Image bytes are read only for samples in range; a local tar is opened seekable, so samples
-    before ``start`` cost a header read each. A truncated or unreadable tar ends the shard, counted.
-    """
-    index = 0
-
-    def bad(reason: str) -> None:
-        # only the reader whose range holds this position counts it, so a shard read in pieces
-        # by several streams reports each problem once
-        if index >= start and (stop is None or index < stop):
-            counts.add(reason)
-
-    try:
-        if _is_url(url):
-            import webdataset  # remote shards only: gopen knows pipe:, http(s), s3 via the CLI
-
-            tar = tarfile.open(fileobj=webdataset.gopen(url, "rb"), mode="r|")
-        else:
-            tar = tarfile.open(url, mode="r:")
-    except (tarfile.TarError, OSError) as e:
-        bad("corrupt_tar")
-        warnings.warn(f"{url}: unreadable shard, skipped ({e})", stacklevel=2)
-        return
-    key, cls, img = None, None, None
-
-    def finish():
-        nonlocal index
-        if key is None:
-            return None
-        if cls is None:
-            bad("missing_cls")
-            return None
-        try:
-            label = int(cls.decode().strip())
-        except (UnicodeDecodeError, ValueError):
-            bad("bad_cls")
-            return None
-        if label < 0 or (num_classes is not None and label >= num_classes):
-            bad("bad_cls")
-            return None
-        if img is None:
-            bad("missing_image")
-            return None
-        i, index = index, index + 1
-        return (key, img if img is not True else None, label) if i >= start else None
-
-    try:
-        with tar:
-            for m in tar:
-                if stop is not None and index >= stop:
-                    return
-                if not m.isfile():
-                    continue
-                k, ext = _split_name(m.name)
-                if k != key:
-                    out = finish()
-                    if out is not None:
-                        yield out
-                    key, cls, img = k, None, None
-                    if stop is not None and index >= stop:
-                        return
-                if ext == "cls":
-                    cls = tar.extractfile(m).read()
-                elif ext in IMAGE_EXTS:
-                    # index is the one this sample gets if valid; bytes only when it is in range
-                    img = tar.extractfile(m).read() if read and index >= start else True
-            out = finish()
-            if out is not None:
-                yield out
-            if not _is_url(url) and os.path.getsize(url) < tar.offset + 1024:
-                raise tarfile.ReadError("no end-of-archive marker (file cut off)")
-    except (tarfile.TarError, OSError, EOFError) as e:
-        bad("corrupt_tar")
-        warnings.warn(f"{url}: corrupt or cut-off shard, rest skipped ({e})", stacklevel=2)
-
-
-def _segments(lengths: list[int], order, start: int, count: int) -> list[tuple[int, int, int]]:
-    """Positions ``[start, start+count)`` of the (cyclic) concatenation of shards in ``order`` →
-    [(shard, lo, hi)] slices."""
-    total = sum(lengths[s] for s in order)
-    cum = np.cumsum([0] + [lengths[s] for s in order])
-    out, pos = [], start % total
-    while count > 0:
-        j = int(np.searchsorted(cum, pos, side="right") - 1)
-        lo = pos - int(cum[j])
-        take = min(lengths[order[j]] - lo, count)
-        out.append((int(order[j]), lo, lo + take))
-        count -= take
-        pos = (pos + take) % total
-    return out
-
-
-def _stop(hi: int, length: int) -> int | None:
-    """A range that ends with its shard reads on to the end: trailing bad samples get counted and
-    a cut-off tar is noticed even when the cut fell after the last good sample."""
-    return None if hi >= length else hi
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:

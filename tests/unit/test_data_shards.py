@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.data import DataError, _Counts, _read_shard, _segments, read_info
+from pipeline.shards import DataError, _Counts, _read_shard, _segments, read_info
 
 
 def image_bytes(i: int, fmt: str = "jpg", size=(40, 30)) -> bytes:

@@ -17,7 +17,7 @@ OWNERS = {
     "deepspeed": lambda p: p == "pipeline/engine.py",
     "mlflow": lambda p: p == "pipeline/tracking.py",
     "submitit": lambda p: p.startswith("launch/"),
-    "webdataset": lambda p: p == "pipeline/data.py" or p.startswith("data_prep/"),
+    "webdataset": lambda p: p in ("pipeline/data.py", "pipeline/shards.py") or p.startswith("data_prep/"),
 }
 MODEL_ALLOWED = {"torch", "einops", "pipeline"}
 MODEL_LOADING = {"numpy", "safetensors"}  # reading checkpoint files only

@@ -42,20 +42,9 @@ class SubmitError(ValueError):
 def load_submit_config(recipe: str | None, overrides: list[str], resources: str | None = None):
     """Recipe YAML, then a resources file (only `cluster:`/`hardware:`, e.g. configs/cluster/*.yaml)
     on top of it, then dotted overrides; validated for the planned world size."""
-    from pipeline.config import ConfigError, _deep_merge, _read_yaml, apply_overrides, from_dict
+    from pipeline.config import load_config
 
-    data = _read_yaml(Path(recipe)) if recipe else {}
-    if resources:
-        res = _read_yaml(Path(resources))
-        extra = sorted(set(res) - {"cluster", "hardware"})
-        if extra:
-            raise ConfigError(f"{resources}: a resources file holds only cluster: and hardware:; got {extra[0]}:")
-        data = _deep_merge(data, res)
-    data = apply_overrides(data, overrides)
-    c = data.get("cluster") or {}
-    nodes, tpn = c.get("nodes", 1), c.get("tasks_per_node", 1)
-    ws = nodes * tpn if isinstance(nodes, int) and isinstance(tpn, int) and nodes > 0 and tpn > 0 else 1
-    return from_dict(data, world_size=ws)
+    return load_config(recipe, overrides, resources=resources)
 
 
 def slurm_parameters(cfg) -> dict:

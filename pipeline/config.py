@@ -280,14 +280,25 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = (),
-                *, world_size: int | None = None) -> Config:
-    """YAML file + dotted overrides → a validated :class:`Config`.
+RESOURCE_SECTIONS = ("cluster", "hardware")
 
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = (),
+                *, resources: str | os.PathLike | None = None, world_size: int | None = None) -> Config:
+    """YAML recipe [+ a resources file] + dotted overrides → a validated :class:`Config`.
+
+    ``resources``: a file holding only ``cluster:``/``hardware:`` (configs/cluster/*.yaml), merged
+    over the recipe and under the overrides.
     ``world_size``: check batch divisibility against it (default: the cluster section's
     nodes × tasks_per_node, or $WORLD_SIZE when set by a launcher).
     """
     data = _read_yaml(Path(path)) if path else {}
+    if resources:
+        res = _read_yaml(Path(resources))
+        extra = sorted(set(res) - set(RESOURCE_SECTIONS))
+        if extra:
+            raise ConfigError(f"{resources}: {extra[0]}: a resources file holds only cluster: and hardware:")
+        data = _deep_merge(data, res)
     data = apply_overrides(data, list(overrides))
     cfg = _build(Config, data, "")
     validate(cfg, world_size=world_size)

@@ -63,7 +63,7 @@ def test_resources_merge_order_and_checks(tmp_path):
     assert cfg.cluster.job_name == "vitp-debug" and cfg.model.width == 64
     bad = tmp_path / "res.yaml"
     bad.write_text("cluster: {nodes: 2}\noptim: {lr: 1.0}\n")
-    with pytest.raises(ConfigError, match="only cluster: and hardware:; got optim:"):
+    with pytest.raises(ConfigError, match="optim: a resources file holds only cluster: and hardware:"):
         load_submit_config(TINY, [], str(bad))
     with pytest.raises(ConfigError, match="cluster.nodes: must be >= 1; got 0"):
         load_submit_config(TINY, ["cluster.nodes=0"])

@@ -45,6 +45,11 @@ def _pair(v: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
 
 
+def _dropout(p: float) -> nn.Module:
+    # no module call at all when disabled: the benchmark runs at p=0, as does most pre-training
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
 def lecun_normal_(w: torch.Tensor) -> None:
     """flax lecun_normal: truncated (+-2 sigma) normal with variance 1/fan_in."""
     fan_in = w[0].numel()
@@ -81,7 +86,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.attn_dropout = attn_dropout
-        self.proj_drop = nn.Dropout(dropout)
+        self.proj_drop = _dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -99,7 +104,7 @@ class Mlp(nn.Module):
     def __init__(self, dim: int, hidden: int, dropout: float):
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-        self.drop = nn.Dropout(dropout)
+        self.drop = _dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.drop(self.fc2(self.drop(F.gelu(self.fc1(x)))))
@@ -183,7 +188,7 @@ class ViT(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, width)) if class_token else None
         num_tokens = self.num_prefix_tokens + self.patch_grid[0] * self.patch_grid[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, num_tokens, width))
-        self.pos_drop = nn.Dropout(dropout)
+        self.pos_drop = _dropout(dropout)
         rates = [drop_path * i / max(depth - 1, 1) for i in range(depth)]  # linear, as in DeiT
         self.blocks = nn.ModuleList(
             Block(width, heads, mlp_dim, dropout, attn_dropout, r) for r in rates)

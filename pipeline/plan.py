@@ -1,0 +1,342 @@
+"""`vitp plan`: memory, step time and cost of a pre-training run, on paper, in seconds.
+
+    vitp plan --config configs/pretrain/vit_l16.yaml cluster.nodes=4 --sweep zero=1,2,3 ckpt=on,off
+
+Memory per GPU comes from pipeline/memory.py. Time per step is the slower of compute and
+communication, assuming DeepSpeed overlaps them fully (step = max(compute, comm)):
+- compute: `train_step_flops` (3x forward, 4x with activation checkpointing) of the rank's share of the
+  global batch, at hardware.peak_tflops x hardware.assumed_mfu;
+- communication per rank by ZeRO stage, ring collectives moving (n-1)/n of a buffer each:
+  stages 0-1 all-reduce the gradients once per step (2 (n-1)/n G); stage 2 reduce-scatters them every
+  micro step and all-gathers the updated parameters once; stage 3 adds a parameter all-gather in
+  forward and in backward of every micro step (1.5x of stage 0-2 without accumulation). The ring runs
+  at hardware.inter_node_gbps when nodes > 1, else hardware.intra_node_gbps (GB/s per GPU).
+Cost is given in GPU-hours and in the paper's unit, TPUv3-core-days, at the same MFU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+from pipeline.memory import BYTES, GiB, ModelShape, memory_per_rank
+
+TPU_V3_CORE_TFLOPS = 61.5  # 123 TFLOP/s bf16 per TPUv3 chip, 2 cores per chip
+PAPER_TPU_CORE_DAYS = {"vit_l16": 680.0, "vit_h14": 2500.0}  # Dosovitskiy et al. 2020, Table 2, JFT-300M
+DEFAULT_DATASET = 300_000_000  # JFT-300M, when the data folder doesn't say
+DEFAULT_CLASSES = 18_291  # JFT-300M's label set, when neither the config nor the data folder says
+SWEEP_KEYS = {"zero": "engine.zero_stage", "micro_batch": "train.micro_batch", "ckpt": "model.grad_checkpointing",
+              "nodes": "cluster.nodes", "offload": "engine.offload_optimizer", "precision": "engine.precision"}
+
+
+class PlanError(ValueError):
+    """Impossible planning input; the message is one line."""
+
+
+def _data_info(cfg) -> dict:
+    if not cfg.data.path:
+        return {}
+    p = Path(cfg.data.path) / "_info.json"
+    try:
+        return json.loads(p.read_text()) if p.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise PlanError(f"{p}: unreadable ({e})") from None
+
+
+def model_shape(cfg, num_classes: int | None = None) -> tuple[ModelShape, str]:
+    """The config's ViT as a ModelShape, and where its class count came from."""
+    from pipeline.model.vit import VARIANTS
+
+    m = cfg.model
+    dims = dict(VARIANTS.get(m.name, {})) if m.name else {}
+    if m.name and m.name not in VARIANTS:
+        raise PlanError(f"model.name: unknown variant {m.name!r}; known: {', '.join(VARIANTS)}")
+    for k in ("width", "depth", "heads", "mlp_dim", "patch"):
+        if getattr(m, k) is not None:
+            dims[k] = getattr(m, k)
+    k, src = num_classes, "--num-classes"
+    if k is None and m.num_classes:
+        k, src = m.num_classes, "model.num_classes"
+    if k is None:
+        info = _data_info(cfg)
+        if info.get("num_classes"):
+            k, src = int(info["num_classes"]), f"{cfg.data.path}/_info.json"
+    if k is None:
+        k, src = DEFAULT_CLASSES, "assumed JFT-300M (set model.num_classes)"
+    shape = ModelShape.from_dims(**dims, img_size=m.img_size, num_classes=k, pool=m.pool,
+                                 class_token=m.class_token, representation_size=m.representation_size)
+    return shape, f"{k} classes ({src})"
+
+
+def dataset_size(cfg, override: int | None) -> tuple[int, str]:
+    if override is not None:
+        if override < 1:
+            raise PlanError(f"--dataset-size: must be >= 1; got {override}")
+        return override, "--dataset-size"
+    split = _data_info(cfg).get("splits", {}).get(cfg.data.train_split, {})
+    if split.get("num_samples"):
+        return int(split["num_samples"]), f"{cfg.data.path}/_info.json"
+    return DEFAULT_DATASET, "assumed JFT-300M"
+
+
+def _largest_micro_batch(shape, mem_kw, budget: float, upper: int) -> int:
+    """Largest micro batch whose peak fits `budget` bytes (0 if not even 1 fits); memory grows with it."""
+    fits = lambda b: memory_per_rank(shape, micro_batch=b, **mem_kw)["total"] <= budget
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= upper and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, upper + 1)
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi) (or hi beyond upper)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def step_time(cfg, shape: ModelShape) -> dict:
+    """Seconds per optimizer step: compute, communication (per collective) and the step under overlap."""
+    from pipeline.model.flops import train_step_flops
+
+    c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
+    n = c.nodes * c.tasks_per_node
+    per_rank = t.global_batch // n
+    accum = per_rank // t.micro_batch
+    flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=cfg.model.grad_checkpointing)
+    compute = flops_rank / (hw.peak_tflops * 1e12 * hw.assumed_mfu)
+    w = BYTES[e.precision]
+    G = shape.params * w  # one full copy of the gradients (or parameters) in the model dtype
+    ring = (n - 1) / n
+    if e.zero_stage <= 1:
+        volume = 2 * ring * G
+    elif e.zero_stage == 2:
+        volume = ring * G * accum + ring * G
+    else:
+        volume = 3 * ring * G * accum
+    bw = (hw.inter_node_gbps if c.nodes > 1 else hw.intra_node_gbps) * 1e9
+    comm = volume / bw
+    return {"flops_per_rank": flops_rank, "flops_per_step": flops_rank * n, "compute_s": compute,
+            "comm_bytes": volume, "comm_s": comm, "step_s": max(compute, comm),
+            "bound": "compute" if compute >= comm else "communication", "accumulation": accum,
+            "link": "inter-node" if c.nodes > 1 else "intra-node", "link_gbps": bw / 1e9}
+
+
+def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, backend: str = "cuda",
+         headroom: float = 0.0, shape: ModelShape | None = None) -> dict:
+    """Everything `vitp plan` reports, as plain numbers (bytes, seconds)."""
+    c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
+    n = c.nodes * c.tasks_per_node
+    if n < 1:
+        raise PlanError(f"world size must be >= 1; got {n}")
+    if t.micro_batch > t.global_batch:
+        raise PlanError(f"train.micro_batch: {t.micro_batch} is larger than train.global_batch {t.global_batch}")
+    shape_note = ""
+    if shape is None:
+        shape, shape_note = model_shape(cfg, num_classes)
+    m = cfg.model
+    mem_kw = dict(precision=e.precision, zero_stage=e.zero_stage, world_size=n,
+                  checkpointing=m.grad_checkpointing, dropout=max(m.dropout, m.attn_dropout) > 0,
+                  offload_optimizer=e.offload_optimizer, offload_params=e.offload_params, backend=backend,
+                  accumulation=max(t.global_batch // (n * t.micro_batch), 1))
+    mem = memory_per_rank(shape, micro_batch=t.micro_batch, **mem_kw)
+    budget = hw.device_mem_gb * GiB * (1 - headroom)
+    per_rank = t.global_batch // n
+    max_mb = _largest_micro_batch(shape, mem_kw, budget, upper=max(per_rank, 1) * 64)
+    valid = [b for b in range(1, per_rank + 1) if per_rank % b == 0 and b <= max_mb]
+    st = step_time(cfg, shape)
+    ds_n, ds_src = dataset_size(cfg, dataset)
+    imgs_job = t.global_batch / st["step_s"]
+    total_s = t.steps * st["step_s"]
+    total_flops = st["flops_per_step"] * t.steps
+    tpu_days = total_flops / (TPU_V3_CORE_TFLOPS * 1e12 * hw.assumed_mfu) / 86400
+    paper = PAPER_TPU_CORE_DAYS.get(m.name) if m.img_size == 224 else None
+    return {
+        "model": {"name": m.name or "custom", "params": shape.params, "width": shape.width, "depth": shape.depth,
+                  "heads": shape.heads, "mlp_dim": shape.mlp_dim, "tokens": shape.tokens,
+                  "img_size": shape.img_size, "classes": shape_note or f"{shape.num_classes} classes",
+                  "largest_layer": shape.largest_layer},
+        "setup": {"world_size": n, "nodes": c.nodes, "tasks_per_node": c.tasks_per_node,
+                  "precision": e.precision, "zero_stage": e.zero_stage, "offload_optimizer": e.offload_optimizer,
+                  "offload_params": e.offload_params, "micro_batch": t.micro_batch, "global_batch": t.global_batch,
+                  "accumulation": st["accumulation"], "grad_checkpointing": m.grad_checkpointing,
+                  "backend": backend},
+        "memory": mem,
+        "verdict": {"fits": mem["total"] <= budget, "device_bytes": hw.device_mem_gb * GiB, "budget_bytes": budget,
+                    "max_micro_batch": max_mb, "max_valid_micro_batch": max(valid) if valid else 0},
+        "time": st,
+        "throughput": {"images_per_s_per_gpu": imgs_job / n, "images_per_s": imgs_job,
+                       "epoch_s": ds_n / imgs_job, "dataset_size": ds_n, "dataset_source": ds_src,
+                       "epochs": t.steps * t.global_batch / ds_n},
+        "cost": {"total_s": total_s, "gpu_hours": total_s * n / 3600, "total_flops": total_flops,
+                 "tpuv3_core_days": tpu_days, "paper_tpuv3_core_days": paper},
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Sweep
+# --------------------------------------------------------------------------------------------------
+def parse_sweep(items: list[str]) -> list[tuple[str, list[str]]]:
+    """["zero=1,2,3", "ckpt=on,off"] → [("engine.zero_stage", ["1","2","3"]), ...]."""
+    out = []
+    for item in items:
+        key, _, vals = item.partition("=")
+        if key not in SWEEP_KEYS or not vals:
+            raise PlanError(f"--sweep {item!r}: expected KEY=V1,V2 with KEY one of {', '.join(SWEEP_KEYS)}")
+        conv = {"on": "true", "off": "false", "yes": "true", "no": "false"}
+        out.append((SWEEP_KEYS[key], [conv.get(v.strip().lower(), v.strip()) for v in vals.split(",")]))
+    return out
+
+
+def sweep(config_path, overrides: list[str], axes: list[tuple[str, list[str]]], **plan_kw) -> list[dict]:
+    """One row per combination: its overrides, and the plan's numbers (or why the combination is invalid)."""
+    from pipeline.config import ConfigError
+
+    rows, shape_cache = [], {}
+    for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in axes]):
+        extra = [f"{k}={v}" for k, v in combo]
+        row = {"set": dict(combo)}
+        try:
+            cfg = load_planned(config_path, overrides + extra)
+            if combo and any(k == "engine.offload_optimizer" and v == "true" for k, v in combo) \
+                    and cfg.engine.zero_stage == 0:
+                raise PlanError("offload needs zero >= 1")
+            key = (cfg.model.name, cfg.model.img_size)
+            if key not in shape_cache:
+                shape_cache[key] = model_shape(cfg, plan_kw.get("num_classes"))
+            p = plan(cfg, shape=shape_cache[key][0], **plan_kw)
+            row.update(gib=p["memory"]["total"] / GiB, fits=p["verdict"]["fits"],
+                       max_mb=p["verdict"]["max_micro_batch"], step_s=p["time"]["step_s"],
+                       bound=p["time"]["bound"], img_s=p["throughput"]["images_per_s"],
+                       gpu_hours=p["cost"]["gpu_hours"])
+        except (ConfigError, PlanError) as err:
+            row["invalid"] = str(err)
+        rows.append(row)
+    return rows
+
+
+def load_planned(config_path, overrides: list[str]):
+    """Load a config and validate it for the planned world size (cluster.nodes x tasks_per_node)."""
+    from pipeline.config import load_config, validate
+
+    cfg = load_config(config_path, overrides, world_size=1)  # every other check, before the world size
+    validate(cfg, world_size=cfg.world_size_planned)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------------
+# Text
+# --------------------------------------------------------------------------------------------------
+def _gib(b: float) -> str:
+    return f"{b / GiB:8.2f}"
+
+
+def _dur(s: float) -> str:
+    if s >= 86400:
+        return f"{s / 86400:.1f} d"
+    if s >= 3600:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 60:.1f} min" if s >= 60 else f"{s:.3f} s"
+
+
+def format_report(p: dict) -> str:
+    m, s, mem, v, t, th, c = (p[k] for k in ("model", "setup", "memory", "verdict", "time", "throughput", "cost"))
+    L = [f"== model: {m['name']}  {m['params'] / 1e6:.1f}M parameters  (width {m['width']}, depth {m['depth']}, "
+         f"heads {m['heads']}, MLP {m['mlp_dim']}, {m['tokens']} tokens at {m['img_size']} px, {m['classes']})",
+         f"   {s['world_size']} ranks ({s['nodes']} nodes x {s['tasks_per_node']}), {s['precision']}, "
+         f"ZeRO-{s['zero_stage']}{', optimizer offload' if s['offload_optimizer'] else ''}"
+         f"{', param offload' if s['offload_params'] else ''}, micro batch {s['micro_batch']} x accumulation "
+         f"{s['accumulation']} x {s['world_size']} = {s['global_batch']}, activation checkpointing "
+         f"{'on' if s['grad_checkpointing'] else 'off'}, backend {s['backend']}",
+         "", "== memory per GPU (GiB)", f"   {'item':<34}{'device':>8}{'host':>10}"]
+    names = {"params": "parameters", "grads": "gradients", "master": "fp32 master weights",
+             "fp32_grads": "fp32 gradient partition", "optimizer": "Adam m, v"}
+    for k, val in mem["states"].items():
+        L.append(f"   {names[k]:<34}{_gib(val['device'])}  {_gib(val['host'])}")
+    a, b = mem["activations"], mem["buffers"]
+    L += [f"   {'activations (peak in backward)':<34}{_gib(a['peak'])}",
+          f"   {'  of which one block':<34}{_gib(a['per_block'])}",
+          f"   {'gradient buckets':<34}{_gib(b['grad_bucket'])}",
+          f"   {'parameter gather / prefetch':<34}{_gib(b['param_gather'])}",
+          f"   {'optimizer temporaries':<34}{_gib(b['optimizer_temp'])}",
+          f"   {'CUDA context + NCCL':<34}{_gib(b['context'])}",
+          f"   {'peak total':<34}{_gib(mem['total'])}  {_gib(mem['host'])}",
+          "", "== verdict",
+          f"   {'FITS' if v['fits'] else 'DOES NOT FIT'}: {mem['total'] / GiB:.1f} GiB of "
+          f"{v['budget_bytes'] / GiB:.1f} GiB usable ({v['device_bytes'] / GiB:.0f} GiB device)",
+          f"   largest micro batch that fits: {v['max_micro_batch']}"
+          f" (largest dividing the per-rank batch {s['global_batch'] // s['world_size']}: "
+          f"{v['max_valid_micro_batch']})",
+          "", "== step time and throughput (assumes communication overlaps compute: step = max of the two)",
+          f"   compute {t['flops_per_rank'] / 1e12:.1f} TFLOP per rank per step -> {_dur(t['compute_s'])}",
+          f"   communication {t['comm_bytes'] / 1e9:.2f} GB per rank per step over {t['link']} "
+          f"{t['link_gbps']:.0f} GB/s -> {_dur(t['comm_s'])}",
+          f"   step {_dur(t['step_s'])} ({t['bound']}-bound); {th['images_per_s_per_gpu']:.0f} images/s per GPU, "
+          f"{th['images_per_s']:.0f} images/s for the job",
+          "", "== cost",
+          f"   epoch of {th['dataset_size']:,} images ({th['dataset_source']}): {_dur(th['epoch_s'])}",
+          f"   whole schedule ({th['epochs']:.1f} epochs): {_dur(c['total_s'])}, {c['gpu_hours']:,.0f} GPU-hours, "
+          f"{c['total_flops'] / 1e21:.2f} ZFLOP",
+          "", "== comparison with the paper (TPUv3 core at 61.5 TFLOP/s bf16, same MFU)",
+          f"   this plan: {c['tpuv3_core_days']:,.0f} TPUv3-core-days"]
+    if c["paper_tpuv3_core_days"]:
+        L.append(f"   paper (Dosovitskiy et al. 2020, Table 2, JFT-300M): {c['paper_tpuv3_core_days']:,.0f} "
+                 f"TPUv3-core-days; ratio {c['tpuv3_core_days'] / c['paper_tpuv3_core_days']:.2f}")
+    else:
+        L.append("   (the paper reports TPUv3-core-days for ViT-L/16 and ViT-H/14 at 224 px only)")
+    return "\n".join(L)
+
+
+def format_sweep(rows: list[dict]) -> str:
+    keys = list(rows[0]["set"]) if rows else []
+    short = {v: k for k, v in SWEEP_KEYS.items()}
+    head = "".join(f"{short[k]:>12}" for k in keys)
+    L = [f"{head}{'GiB/GPU':>10}{'fits':>6}{'max mb':>8}{'step s':>9}{'img/s':>10}{'GPU-h':>10}  bound"]
+    for r in rows:
+        cells = "".join(f"{ {'true': 'on', 'false': 'off'}.get(r['set'][k], r['set'][k]):>12}" for k in keys)
+        if "invalid" in r:
+            L.append(f"{cells}  invalid: {r['invalid']}")
+            continue
+        L.append(f"{cells}{r['gib']:10.1f}{'yes' if r['fits'] else 'NO':>6}{r['max_mb']:8d}{r['step_s']:9.3f}"
+                 f"{r['img_s']:10.0f}{r['gpu_hours']:10.0f}  {r['bound']}")
+    return "\n".join(L)
+
+
+def main(argv: list[str]) -> int:
+    from launch.cli import add_config_args, parser_for
+    from pipeline.config import ConfigError
+
+    p = parser_for("plan", "Memory per GPU, step time, throughput and cost of a pre-training run, on paper.")
+    add_config_args(p)
+    p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
+                   help=f"a table over options; keys: {', '.join(SWEEP_KEYS)} (ckpt/offload take on,off)")
+    p.add_argument("--dataset-size", type=int, default=None,
+                   help="images per epoch (default: data.path's _info.json, else JFT-300M's 300M)")
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="head size when model.num_classes is 0 (default: _info.json, else JFT's 18291)")
+    p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda: GPUs (default); cpu: DeepSpeed on CPU over gloo (touched pages, no CUDA context)")
+    p.add_argument("--headroom", type=float, default=0.0,
+                   help="fraction of device memory kept free for fragmentation (e.g. 0.1)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = p.parse_args(argv)
+    kw = dict(dataset=args.dataset_size, num_classes=args.num_classes, backend=args.backend,
+              headroom=args.headroom)
+    try:
+        if not 0 <= args.headroom < 1:
+            raise PlanError(f"--headroom: must be in [0, 1); got {args.headroom}")
+        cfg = load_planned(args.config, args.overrides)
+        result = plan(cfg, **kw)
+        rows = sweep(args.config, args.overrides, parse_sweep(args.sweep), **kw) if args.sweep else None
+    except (ConfigError, PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**result, "sweep": rows}, indent=1, default=float))
+        return 0
+    print(format_report(result))
+    if rows is not None:
+        print("\n== sweep (NO: does not fit in device memory)")
+        print(format_sweep(rows))
+    return 0

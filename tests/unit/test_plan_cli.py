@@ -1,0 +1,131 @@
+"""`vitp plan`: step time, cost, sweep table, JSON and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline import plan as P
+
+CFG = "configs/pretrain/{}.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _root(repo_root, monkeypatch):
+    monkeypatch.chdir(repo_root)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def _plan(name, *overrides, **kw):
+    return P.plan(P.load_planned(CFG.format(name), list(overrides)), **kw)
+
+
+def test_step_time_follows_flops_mfu_and_link():
+    from pipeline.model.flops import train_step_flops
+
+    p = _plan("vit_b16", "cluster.nodes=1", "train.global_batch=512", "hardware.assumed_mfu=0.5")
+    t = p["time"]
+    shape, _ = P.model_shape(P.load_planned(CFG.format("vit_b16"), []))
+    assert t["flops_per_rank"] == train_step_flops(shape.config, batch=64, grad_checkpointing=False)
+    assert t["compute_s"] == pytest.approx(t["flops_per_rank"] / (989e12 * 0.5))
+    assert t["link"] == "intra-node" and t["link_gbps"] == 450
+    n, G = 8, p["model"]["params"] * 2
+    assert t["comm_bytes"] == pytest.approx(2 * (n - 1) / n * G)
+    assert t["step_s"] == max(t["compute_s"], t["comm_s"])
+    ck = _plan("vit_b16", "cluster.nodes=1", "train.global_batch=512", "model.grad_checkpointing=true")
+    assert ck["time"]["flops_per_rank"] == pytest.approx(t["flops_per_rank"] * 4 / 3)
+    multi = _plan("vit_b16", "cluster.nodes=2", "train.global_batch=512", "train.micro_batch=32")
+    assert multi["time"]["link"] == "inter-node" and multi["time"]["link_gbps"] == 50
+
+
+def test_zero3_moves_one_and_a_half_times_the_bytes():
+    z1 = _plan("vit_l16", "engine.zero_stage=1", "train.micro_batch=32")["time"]["comm_bytes"]
+    z2 = _plan("vit_l16", "engine.zero_stage=2", "train.micro_batch=32")["time"]["comm_bytes"]
+    z3 = _plan("vit_l16", "engine.zero_stage=3", "train.micro_batch=32")["time"]["comm_bytes"]
+    assert z2 == pytest.approx(z1) and z3 == pytest.approx(1.5 * z1)
+    # with accumulation, stage 2 and 3 communicate every micro step
+    acc = _plan("vit_l16", "engine.zero_stage=3", "train.micro_batch=8")["time"]
+    assert acc["accumulation"] == 4 and acc["comm_bytes"] == pytest.approx(4 * z3)
+
+
+def test_cost_and_paper_units():
+    p = _plan("vit_h14", "model.num_classes=18291")
+    c, th = p["cost"], p["throughput"]
+    assert c["paper_tpuv3_core_days"] == 2500
+    assert c["total_flops"] == pytest.approx(p["time"]["flops_per_step"] * 1_025_000)
+    assert c["tpuv3_core_days"] == pytest.approx(c["total_flops"] / (61.5e12 * 0.5) / 86400)
+    assert c["gpu_hours"] == pytest.approx(c["total_s"] * 256 / 3600)
+    assert th["dataset_size"] == 300_000_000 and th["epochs"] == pytest.approx(1_025_000 * 4096 / 3e8)
+    assert th["epoch_s"] == pytest.approx(3e8 / th["images_per_s"])
+    assert _plan("vit_b16")["cost"]["paper_tpuv3_core_days"] is None
+
+
+def test_dataset_size_and_classes_from_info_json(tmp_path):
+    (tmp_path / "_info.json").write_text(json.dumps({"num_classes": 10, "splits": {"train": {"num_samples": 1234}}}))
+    p = _plan("tiny_cpu", f"data.path={tmp_path}", backend="cpu")
+    assert p["throughput"]["dataset_size"] == 1234
+    assert p["model"]["classes"].startswith("10 classes")
+
+
+def test_max_micro_batch_is_the_largest_that_fits():
+    cfg = P.load_planned(CFG.format("vit_l16"), ["hardware.device_mem_gb=40"])
+    p = P.plan(cfg)
+    mb = p["verdict"]["max_micro_batch"]
+    assert mb > 32
+    at = P.plan(P.load_planned(CFG.format("vit_l16"), ["hardware.device_mem_gb=40", "train.global_batch=4096"]),
+                shape=None)
+    assert at["verdict"]["fits"]
+    from pipeline.memory import GiB, memory_per_rank
+
+    shape, _ = P.model_shape(cfg)
+    kw = dict(precision="bf16", zero_stage=2, world_size=128, dropout=True, accumulation=1)
+    assert memory_per_rank(shape, micro_batch=mb, **kw)["total"] <= 40 * GiB
+    assert memory_per_rank(shape, micro_batch=mb + 1, **kw)["total"] > 40 * GiB
+
+
+def test_cli_report_has_sections_verdict_and_sweep(capsys):
+    rc = P.main(["--config", CFG.format("vit_l16"), "hardware.device_mem_gb=6",
+                 "--sweep", "zero=1,3", "micro_batch=16,32", "ckpt=on,off"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for section in ("== model", "== memory per GPU", "== verdict", "== step time", "== cost", "== comparison"):
+        assert section in out
+    assert "largest micro batch that fits" in out and "680 TPUv3-core-days" in out
+    table = out.split("== sweep")[1].strip().splitlines()[1:]
+    assert len(table) == 1 + 8  # header + 2 x 2 x 2 rows
+    assert any(" NO " in r for r in table) and any(" yes " in r for r in table)
+
+
+def test_cli_sweep_nodes_and_offload_mark_invalid_rows(capsys):
+    rc = P.main(["--config", CFG.format("vit_b16"), "--sweep", "nodes=1,3", "offload=on,off"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "invalid: train.global_batch: 4096 is not divisible by world size 24" in out
+
+
+def test_cli_json(capsys):
+    assert P.main(["--config", CFG.format("tiny_cpu"), "--backend", "cpu", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["setup"]["world_size"] == 2 and d["verdict"]["fits"] is True
+    assert d["memory"]["total"] > d["memory"]["model_states"] > 0
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    (["cluster.nodes=0"], "cluster.nodes: must be >= 1; got 0"),
+    (["train.micro_batch=128", "train.global_batch=64"], "train.micro_batch: 128 is larger than train.global_batch"),
+    (["--sweep", "bogus=1"], "--sweep 'bogus=1'"),
+    (["--dataset-size", "0"], "--dataset-size: must be >= 1"),
+])
+def test_cli_impossible_inputs_one_line_exit_2(capsys, overrides, msg):
+    rc = P.main(["--config", CFG.format("tiny_cpu"), *overrides])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and msg in err
+
+
+def test_vitp_entry_point_dispatches_plan(capsys):
+    from launch.cli import main
+
+    assert main(["plan", "--config", CFG.format("tiny_cpu"), "--backend", "cpu"]) == 0
+    assert "FITS" in capsys.readouterr().out

@@ -165,8 +165,8 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
 def universal_for(ckpt: Path, world: int) -> Path | None:
     """If ``ckpt`` was written by a different number of ranks, convert it (rank 0) to DeepSpeed's
     universal format and return that folder; None when the world size matches."""
-    from pipeline import engine as eng
     from launch.distributed import rank0_print
+    from pipeline import engine as eng
 
     saved = read_manifest(ckpt)["world_size"]
     if saved == world:

@@ -52,7 +52,8 @@ def _templates(classes: int, img_size: int) -> torch.Tensor:
     return torch.nn.functional.interpolate(coarse, size=(img_size, img_size), mode="nearest")
 
 
-def _samples(idx: list[int], split_salt: int, spec: dict, img_size: int, templates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _samples(idx: list[int], split_salt: int, spec: dict, img_size: int,
+             templates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples ``idx`` → (uint8 [B, 3, H, W], int64 [B])."""
     labels = torch.tensor([(i * 7 + split_salt) % spec["classes"] for i in idx], dtype=torch.int64)
     imgs = torch.empty(len(idx), 3, img_size, img_size)
@@ -112,7 +113,9 @@ class TrainLoader:
 
 
 class EvalLoader:
-    """Each val sample exactly once over all ranks (rank r takes i ≡ r mod world)."""
+    """Each val sample exactly once over all ranks (rank r takes i ≡ r mod world), as batches
+    ``(uint8 [B, 3, H, W], int64 [B], valid bool [B])``. Like pipeline.data, every rank yields the
+    same number of batches; padding rows have valid=False and label -1."""
 
     def __init__(self, data_cfg, *, img_size: int, batch: int, rank: int = 0, world_size: int = 1,
                  split: str = "val"):
@@ -120,11 +123,19 @@ class EvalLoader:
         self.img_size, self.batch = img_size, batch
         n = self.spec["val" if split != "train" else "train"]
         self.idx = list(range(rank, n, world_size))
+        self.num_batches = -(-(-(-n // world_size)) // batch)  # ceil(ceil(n / world) / batch)
         self._templates = _templates(self.spec["classes"], img_size)
 
     def __len__(self) -> int:
-        return (len(self.idx) + self.batch - 1) // self.batch
+        return self.num_batches
 
     def __iter__(self):
-        for s in range(0, len(self.idx), self.batch):
-            yield _samples(self.idx[s:s + self.batch], 1, self.spec, self.img_size, self._templates)
+        for b in range(self.num_batches):
+            idx = self.idx[b * self.batch:(b + 1) * self.batch]
+            x = torch.zeros(self.batch, 3, self.img_size, self.img_size, dtype=torch.uint8)
+            y = torch.full((self.batch,), -1, dtype=torch.int64)
+            valid = torch.zeros(self.batch, dtype=torch.bool)
+            if idx:
+                x[:len(idx)], y[:len(idx)] = _samples(idx, 1, self.spec, self.img_size, self._templates)
+                valid[:len(idx)] = True
+            yield x, y, valid

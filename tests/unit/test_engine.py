@@ -117,8 +117,9 @@ def test_synthetic_eval_covers_each_sample_once():
     from pipeline import synthetic
 
     cfg = cfg_with("data.path=synthetic:val=10", world_size=1)
-    seen = [len(y) for r in range(3)
-            for _, y in synthetic.EvalLoader(cfg.data, img_size=8, batch=2, rank=r, world_size=3)]
+    loaders = [synthetic.EvalLoader(cfg.data, img_size=8, batch=2, rank=r, world_size=3) for r in range(3)]
+    assert [len(ld) for ld in loaders] == [2, 2, 2]  # lock-step batches on every rank
+    seen = [int(v.sum()) for ld in loaders for _, _, v in ld]
     assert sum(seen) == 10
     with pytest.raises(ValueError, match="synthetic option"):
         synthetic.parse_spec("synthetic:colours=3")

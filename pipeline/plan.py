@@ -143,7 +143,8 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
     mem = memory_per_rank(shape, micro_batch=t.micro_batch, **mem_kw)
     budget = hw.device_mem_gb * GiB * (1 - headroom)
     per_rank = t.global_batch // n
-    max_mb = _largest_micro_batch(shape, mem_kw, budget, upper=max(per_rank, 1) * 64)
+    upper = max(per_rank, 1) * 64  # searching further says nothing a user can act on
+    max_mb = _largest_micro_batch(shape, mem_kw, budget, upper=upper)
     valid = [b for b in range(1, per_rank + 1) if per_rank % b == 0 and b <= max_mb]
     st = step_time(cfg, shape)
     ds_n, ds_src = dataset_size(cfg, dataset)
@@ -164,7 +165,8 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
                   "backend": backend},
         "memory": mem,
         "verdict": {"fits": mem["total"] <= budget, "device_bytes": hw.device_mem_gb * GiB, "budget_bytes": budget,
-                    "max_micro_batch": max_mb, "max_valid_micro_batch": max(valid) if valid else 0},
+                    "max_micro_batch": max_mb, "max_micro_batch_capped": max_mb >= upper,
+                    "max_valid_micro_batch": max(valid) if valid else 0},
         "time": st,
         "throughput": {"images_per_s_per_gpu": imgs_job / n, "images_per_s": imgs_job,
                        "epoch_s": ds_n / imgs_job, "dataset_size": ds_n, "dataset_source": ds_src,
@@ -265,7 +267,7 @@ def format_report(p: dict) -> str:
           "", "== verdict",
           f"   {'FITS' if v['fits'] else 'DOES NOT FIT'}: {mem['total'] / GiB:.1f} GiB of "
           f"{v['budget_bytes'] / GiB:.1f} GiB usable ({v['device_bytes'] / GiB:.0f} GiB device)",
-          f"   largest micro batch that fits: {v['max_micro_batch']}"
+          f"   largest micro batch that fits: {'>= ' if v['max_micro_batch_capped'] else ''}{v['max_micro_batch']}"
           f" (largest dividing the per-rank batch {s['global_batch'] // s['world_size']}: "
           f"{v['max_valid_micro_batch']})",
           "", "== step time and throughput (assumes communication overlaps compute: step = max of the two)",

@@ -269,7 +269,11 @@ def export_main(argv: list[str]) -> int:
     if args.format == "timm":
         from pipeline.model.convert import vitp_to_timm
 
-        sd, model_config = vitp_to_timm(sd), None
+        try:
+            sd, model_config = vitp_to_timm(sd), None
+        except ValueError as e:  # e.g. the paper's pre-logits layer, which timm's ViT lacks
+            print(f"error: {args.checkpoint}: cannot export as timm: {e}")
+            return 2
     save_weights(sd, model_config, args.out, fmt="vitp" if args.format == "safetensors" else "pt")
     n = sum(v.numel() for v in sd.values())
     print(f"wrote {args.out}: {len(sd)} tensors, {n / 1e6:.2f}M parameters ({args.format})")

@@ -208,8 +208,9 @@ def fp32_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     if glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with _quiet():
-            sd = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+        with _quiet():  # lazy: shards are memory-mapped, a tensor is joined when asked for
+            lazy = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag, lazy_mode=True)
+            return {k: v.contiguous().float() for k, v in lazy.items()}
     else:
         files = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt")))
         if not files:

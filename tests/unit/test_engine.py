@@ -59,9 +59,16 @@ def test_default_param_groups_skip_decay_on_norms_biases_embeddings():
     assert all(p.ndim == 2 or p.ndim == 4 for p in decay["params"])
 
 
-def test_build_engine_sgd_with_layer_lr_scale():
+def test_build_engine_sgd_with_layer_lr_scale(monkeypatch):
     """One process, gloo: the transfer stage's SGD + per-group lr_scale through DeepSpeed ZeRO-1."""
+    import torch.distributed as dist
+
+    from launch.local import free_port
     from pipeline import engine
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)  # restored afterwards, so other tests see no launcher
 
     cfg = cfg_with("optim.name=sgd", "optim.lr=0.1", "optim.momentum=0.9", "engine.zero_stage=1",
                    "train.global_batch=4", "train.micro_batch=4", world_size=1)
@@ -78,6 +85,7 @@ def test_build_engine_sgd_with_layer_lr_scale():
     eng.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert engine.grad_norm(eng) > 0
+    dist.destroy_process_group()
 
 
 def test_lr_schedule_warmup_then_decay():

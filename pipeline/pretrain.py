@@ -223,18 +223,19 @@ def pretrain(cfg: Config) -> Result:
     loader = data.TrainLoader(cfg.data, img_size=cfg.model.img_size, micro_batch=cfg.train.micro_batch,
                               global_batch=cfg.train.global_batch, rank=rank, world_size=world, seed=cfg.seed)
 
-    step, run_id, history = 0, None, []
+    step, run_id, run_key, history = 0, None, None, []
     metrics_path = run_dir / "metrics.jsonl"
     if resume_from is not None:
         state = ckpt_lib.resume(engine, resume_from, universal)
         step, run_id = state["step"], state["manifest"].get("mlflow_run_id")
+        run_key = state["manifest"].get("mlflow_run_key")
         loader.load_state_dict(state["loader"])
         rank0_print(f"resuming from {resume_from} (step {step}, saved by {state['manifest']['world_size']} ranks)")
     if rank == 0:
         write_resolved(cfg, run_dir)
         history = keep_metrics_up_to(metrics_path, step)
     tracker = start_tracking(cfg, run_dir, rank=rank, world_size=world, stage="pretrain", run_id=run_id,
-                             params=None if run_id else flatten(cfg))
+                             run_key=run_key, params=flatten(cfg))  # logged only if a new run is made
     n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
     rank0_print(f"pretrain: {world} rank(s), ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
                 f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} x {accum} accum x {world}, "
@@ -243,7 +244,7 @@ def pretrain(cfg: Config) -> Result:
     def save(at_step: int) -> Path:
         manifest = {"config": json.loads(json.dumps(flatten(cfg))), "model_config": model.config,
                     "zero_stage": cfg.engine.zero_stage, "precision": cfg.engine.precision,
-                    "mlflow_run_id": tracker.run_id}
+                    "mlflow_run_id": tracker.run_id, "mlflow_run_key": tracker.run_key}
         return ckpt_lib.save(engine, run_dir, at_step, loader_state=loader.state_dict(), manifest=manifest,
                              keep=cfg.checkpoint.keep)
 

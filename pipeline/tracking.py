@@ -19,6 +19,7 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class NullTracker:
     """What ranks other than 0 (and tracking.enabled=false) get: every call does nothing."""
 
     run_id: str | None = None
+    run_key: str | None = None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
@@ -66,12 +68,14 @@ class Tracker(NullTracker):
     """Asynchronous MLflow run. ``run_id`` given: continue that run (params are not logged again)."""
 
     def __init__(self, uri: str, *, experiment: str, run_name: str, spool_dir: str | os.PathLike,
-                 run_id: str | None = None, params: dict[str, Any] | None = None,
-                 tags: dict[str, Any] | None = None, flush_every_s: float = 2.0,
-                 artifact_location: str | None = None):
+                 run_id: str | None = None, run_key: str | None = None,
+                 params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None,
+                 flush_every_s: float = 2.0, artifact_location: str | None = None):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.run_id = run_id
-        self._resumed = run_id is not None
+        # identifies our run across retries: a create_run whose reply timed out may still have
+        # made the run, and a retry must find it rather than make a second one
+        self.run_key = run_key or uuid.uuid4().hex
         self._params, self._tags = params or {}, {k: str(v) for k, v in (tags or {}).items()}
         self._artifact_location = artifact_location
         self._spool = Path(spool_dir) / SPOOL
@@ -184,7 +188,11 @@ class Tracker(NullTracker):
         exp = c.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else c.create_experiment(
             self.experiment, artifact_location=self._artifact_location)
-        run = c.create_run(exp_id, run_name=self.run_name, tags=self._tags)
+        found = c.search_runs([exp_id], filter_string=f"tags.vitp_run_key = '{self.run_key}'", max_results=1)
+        if found:
+            self.run_id, self._tags = found[0].info.run_id, {}
+            return
+        run = c.create_run(exp_id, run_name=self.run_name, tags={**self._tags, "vitp_run_key": self.run_key})
         self._tags = {}
         params = [Param(k, str(v)[:6000]) for k, v in self._params.items()]
         for i in range(0, len(params), 100):
@@ -243,8 +251,12 @@ class Tracker(NullTracker):
 
 
 def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: int, stage: str,
-                   run_id: str | None = None, params: dict[str, Any] | None = None) -> NullTracker:
-    """The tracker for this process: a real one on rank 0 when tracking is enabled."""
+                   run_id: str | None = None, run_key: str | None = None,
+                   params: dict[str, Any] | None = None) -> NullTracker:
+    """The tracker for this process: a real one on rank 0 when tracking is enabled.
+
+    A resumed job passes the ``run_id`` (and ``run_key``) its checkpoint recorded to continue that run.
+    """
     if rank != 0 or not cfg.tracking.enabled:
         return NullTracker()
     run_dir = Path(run_dir)
@@ -255,7 +267,7 @@ def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: in
     if commit:
         tags["git_commit"] = commit
     return Tracker(uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name or run_dir.name,
-                   spool_dir=run_dir, run_id=run_id, params=params, tags=tags,
+                   spool_dir=run_dir, run_id=run_id, run_key=run_key, params=params, tags=tags,
                    flush_every_s=cfg.tracking.flush_every_s,
                    artifact_location=(run_dir.resolve() / "mlartifacts").as_uri() if local else None)
 

@@ -44,6 +44,20 @@ def test_metrics_params_and_continued_run(store, tmp_path):
     assert run.data.tags["stage"] == "pretrain"
 
 
+def test_run_creation_is_idempotent_by_key(store, tmp_path):
+    """A retry after a create_run whose reply was lost finds the run instead of making a second."""
+    uri, d = store
+    a = Tracker(uri, experiment="unit-key", run_name="k", spool_dir=tmp_path, flush_every_s=0.2,
+                artifact_location=(d / "art").as_uri())
+    a.close()
+    b = Tracker(uri, experiment="unit-key", run_name="k", spool_dir=tmp_path, run_key=a.run_key,
+                flush_every_s=0.2)
+    b.close()
+    assert b.run_id == a.run_id
+    c = MlflowClient(uri)
+    assert len(c.search_runs([c.get_experiment_by_name("unit-key").experiment_id])) == 1
+
+
 def test_outage_buffers_spools_and_a_later_tracker_delivers(store, tmp_path):
     uri, d = store
     with warnings.catch_warnings(record=True) as w:

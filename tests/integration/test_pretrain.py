@@ -7,6 +7,7 @@ The tiny recipe with a constant lr after warm-up, so a 3-step run equals the fir
 
 import json
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -148,7 +149,7 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, mlflow_server):
 
     from tests.services import mlflow_start, mlflow_stop
 
-    exp = f"outage-{tmp_path.name}"
+    exp = f"outage-{uuid.uuid4().hex[:12]}"  # the server's store outlives test sessions
     common = [f"tracking.uri={mlflow_server}", f"tracking.experiment={exp}", "tracking.enabled=true",
               "tracking.flush_every_s=0.5"]
     rc = {}

@@ -16,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -198,10 +199,29 @@ def step_flops(model, cfg: Config, images_per_rank: int) -> float:
         return float("nan")
 
 
+def draw_figures(sd: dict, model_config: dict, images: torch.Tensor | None, out: Path) -> list[Path]:
+    """The paper's figures for the final weights (attention panels over a few training images);
+    a figure that fails to draw warns and never fails the run."""
+    from pipeline.inspect import write_figures
+    from pipeline.model import build_vit
+
+    try:
+        model = build_vit(**model_config)
+        model.load_state_dict(sd)
+        return write_figures(model, out, None if images is None else images.cpu())
+    except Exception as e:  # figures are a report, not a result
+        warnings.warn(f"figures not drawn: {type(e).__name__}: {e}", stacklevel=2)
+        return []
+
+
 # --------------------------------------------------------------------------------------------------
 # The stage
 # --------------------------------------------------------------------------------------------------
-def pretrain(cfg: Config) -> Result:
+def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None = None,
+             stage: str = "pretrain") -> Result:
+    """Train ``cfg``; the same loop serves fine-tuning: ``build_model(cfg, num_classes)`` replaces
+    the ViT built from ``cfg.model`` and ``param_groups`` (e.g. layer-wise lr decay) the default
+    weight-decay groups; ``stage`` tags the MLflow run."""
     d = dist_env()
     export_env(d)
     eng_lib.init_distributed(cfg)
@@ -214,10 +234,14 @@ def pretrain(cfg: Config) -> Result:
     from pipeline.model import build_vit
 
     torch.manual_seed(cfg.seed)
-    model = build_vit(cfg.model.name, **model_kwargs(cfg, num_classes_of(cfg, data)))
+    num_classes = num_classes_of(cfg, data)
+    if build_model is not None:
+        model = build_model(cfg, num_classes)
+    else:
+        model = build_vit(cfg.model.name, **model_kwargs(cfg, num_classes))
     torch.manual_seed(cfg.seed * 1000 + rank)
     universal = ckpt_lib.universal_for(resume_from, world) if resume_from else None
-    engine = eng_lib.build_engine(model, cfg, load_universal=universal is not None)
+    engine = eng_lib.build_engine(model, cfg, param_groups, load_universal=universal is not None)
     device, dtype = engine.device, eng_lib.input_dtype(cfg)
     accum = eng_lib.grad_accumulation(cfg, world)
     loader = data.TrainLoader(cfg.data, img_size=cfg.model.img_size, micro_batch=cfg.train.micro_batch,
@@ -234,7 +258,7 @@ def pretrain(cfg: Config) -> Result:
     if rank == 0:
         write_resolved(cfg, run_dir)
         history = keep_metrics_up_to(metrics_path, step)
-    tracker = start_tracking(cfg, run_dir, rank=rank, world_size=world, stage="pretrain", run_id=run_id,
+    tracker = start_tracking(cfg, run_dir, rank=rank, world_size=world, stage=stage, run_id=run_id,
                              run_key=run_key, params=flatten(cfg))  # logged only if a new run is made
     n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
     rank0_print(f"pretrain: {world} rank(s), ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
@@ -260,6 +284,7 @@ def pretrain(cfg: Config) -> Result:
     t_window, steps_window, saved_at, last = time.perf_counter(), 0, None, {}
     batches = loader.forever() if hasattr(loader, "forever") else iter(loader)  # across epochs
     mix = getattr(loader, "mix", None)  # pipeline.data: mixup/cutmix/smoothing → soft targets
+    images = None  # the last batch: its first images feed the attention figures at the end
     engine.train()
     while step < cfg.train.steps:
         ckpt_lib.maybe_fault("step", step + 1)
@@ -281,8 +306,11 @@ def pretrain(cfg: Config) -> Result:
             local += torch.tensor([loss.item() * len(labels), (logits.argmax(-1) == labels).sum().item(),
                                    len(labels)], dtype=torch.float64)
 
-        # one small all-reduce a step: any rank asking to stop, any rank with a non-finite loss
-        flags = torch.tensor([float(stopping.stop_reason() is not None), float(not math.isfinite(local[0]))])
+        # one small all-reduce a step: any rank asking to stop (2: requeue, which wins over 1: any
+        # other reason, e.g. cancel), any rank with a non-finite loss
+        asked = stopping.stop_reason()
+        flags = torch.tensor([0.0 if asked is None else 2.0 if asked == "requeue" else 1.0,
+                              float(not math.isfinite(local[0]))])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1]:
             good = ckpt_lib.latest_checkpoint(run_dir)
@@ -315,7 +343,7 @@ def pretrain(cfg: Config) -> Result:
             last.update(record)
 
         if flags[0]:
-            reason = stopping.stop_reason() or "requested by another rank"
+            reason = "requeue" if flags[0] == 2 else (stopping.stop_reason() or "cancel")
             path = save(step)
             rank0_print(f"stopping at step {step} ({reason}); checkpoint {path}")
             tracker.close(timeout=min(60.0, max(5.0, 10 * cfg.tracking.flush_every_s)))
@@ -341,9 +369,12 @@ def pretrain(cfg: Config) -> Result:
         for path in (run_dir / "config.yaml", weights, png):
             if path is not None:
                 tracker.log_artifact(path)
+        for path in draw_figures(sd, model_config, None if images is None else images[:8], run_dir / "figures"):
+            tracker.log_artifact(path, "figures")
         rank0_print(f"done: {weights}")
     dist.barrier()
-    tracker.close(timeout=min(60.0, max(5.0, 10 * cfg.tracking.flush_every_s)))
+    tracker.close(timeout=min(60.0, max(5.0, 10 * cfg.tracking.flush_every_s)),
+                  status=None if stage == "transfer" else "FINISHED")  # transfer still logs its model
     return Result("completed", step, str(run_dir), loss=last.get("loss"), val_top1=last.get("val_top1"),
                   weights=str(weights), mlflow_run_id=tracker.run_id)
 

@@ -61,7 +61,7 @@ class NullTracker:
     def log_model_pytorch(self, model, input_example=None, registered_name: str | None = None) -> None: ...
     def flush(self, timeout: float = 30.0) -> bool:
         return True
-    def close(self, timeout: float = 30.0) -> None: ...
+    def close(self, timeout: float = 30.0, status: str | None = None) -> None: ...
 
 
 class Tracker(NullTracker):
@@ -126,8 +126,13 @@ class Tracker(NullTracker):
             self._idle.clear()
         return True
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Deliver what we can within ``timeout``; spool the rest for a later run to deliver."""
+    def close(self, timeout: float = 30.0, status: str | None = None) -> None:
+        """Deliver what we can within ``timeout``; spool the rest for a later run to deliver.
+
+        ``status`` ("FINISHED", "FAILED"): end the MLflow run; None leaves it running (a stopped
+        job that will be requeued continues it)."""
+        if status is not None:
+            self._put({"op": "end", "status": status})
         self.flush(timeout)
         self._stop.set()
         self._wake.set()
@@ -216,6 +221,9 @@ class Tracker(NullTracker):
                 n = 1
                 if Path(op["path"]).exists():
                     self._client.log_artifact(run_id, op["path"], op.get("artifact_path"))
+            elif op["op"] == "end":
+                n = 1
+                self._client.set_terminated(run_id, op["status"])
             else:
                 n = 1
                 self._client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()])
@@ -263,6 +271,13 @@ def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: in
     uri = resolve_uri(cfg, run_dir)
     local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
     tags = {"stage": stage, "host": socket.gethostname(), "world_size": world_size}
+    if os.environ.get("SLURM_JOB_ID"):
+        tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
+    # a launcher's shared tags, e.g. every task of a sweep array: {"sweep": "<id>", "sweep_index": 3}
+    try:
+        tags.update(json.loads(os.environ.get("VITP_MLFLOW_TAGS") or "{}"))
+    except json.JSONDecodeError:
+        warnings.warn("VITP_MLFLOW_TAGS is not a JSON object; ignored", stacklevel=2)
     commit = git_commit()
     if commit:
         tags["git_commit"] = commit

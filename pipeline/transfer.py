@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 from pathlib import Path
@@ -220,29 +219,8 @@ def source_lineage(path: str | Path) -> dict:
     return out
 
 
-@contextlib.contextmanager
-def _injected(model, groups):
-    """Run pretrain()'s loop on our model and param groups.
-
-    Until pretrain() takes `build_model`/`param_groups` arguments, swap the two factories it calls
-    (pipeline.model.build_vit, pipeline.engine.default_param_groups) for the duration of the call.
-    """
-    import pipeline.engine as eng
-    import pipeline.model as pm
-
-    saved = pm.build_vit, eng.default_param_groups
-    pm.build_vit = lambda *a, **k: model
-    eng.default_param_groups = lambda *a, **k: groups
-    try:
-        yield
-    finally:
-        pm.build_vit, eng.default_param_groups = saved
-
-
 def transfer(cfg):
     """Fine-tune from cfg.init.from; returns pretrain's Result (final metrics also in RUN_DIR/results.json)."""
-    import inspect
-
     import torch.distributed as dist
 
     from launch.distributed import dist_env, export_env, rank0_print
@@ -263,12 +241,7 @@ def transfer(cfg):
         rank0_print(f"transfer: pos-emb resampled {a[0]}x{a[1]} -> {b[0]}x{b[1]} ({cfg.init.posemb_mode}); "
                     f"new zero head for {k} classes")
     groups = param_groups_layer_decay(model, cfg.optim.layer_decay, cfg.optim.weight_decay)
-    params = inspect.signature(pt.pretrain).parameters
-    if "build_model" in params:  # the loop's own hooks, once it has them
-        result = pt.pretrain(cfg, build_model=lambda *a: model, param_groups=groups, stage="transfer")
-    else:
-        with _injected(model, groups):
-            result = pt.pretrain(cfg)
+    result = pt.pretrain(cfg, build_model=lambda *a: model, param_groups=groups, stage="transfer")
     if result.status != "completed":
         return result
 
@@ -295,7 +268,7 @@ def transfer(cfg):
         example = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size).numpy()
         tracker.log_model_pytorch(final.cpu().eval(), input_example=example,
                                   registered_name=cfg.tracking.register_name)
-        tracker.close(timeout=60.0)
+        tracker.close(timeout=60.0, status="FINISHED")
         split = cfg.data.val_split or "val"
         rank0_print(f"transfer: val top1 {res[split + '/top1']:.4f}  top5 {res[split + '/top5']:.4f}  -> {path}")
         result.val_top1 = res[split + "/top1"]

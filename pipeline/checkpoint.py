@@ -123,10 +123,11 @@ def _barrier() -> None:
 
 
 def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, manifest: dict,
-         keep: int) -> Path:
+         keep: int, shared: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint ``step`` on every rank, then publish it atomically; keep the newest ``keep``.
 
     manifest: JSON-able facts rank 0 records (config, model config, MLflow run id, ...).
+    shared: tensors equal on every rank (e.g. EMA weights), stored once, by rank 0.
     """
     from pipeline import engine as eng
 
@@ -144,6 +145,8 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
     eng.save_checkpoint(engine, str(r), tmp.name)
     extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_state(),
               "loader": json.dumps(loader_state)}
+    if shared and rank == 0:
+        extras["shared"] = shared
     part = tmp / f".vitp_rank{rank}.pt.tmp"
     torch.save(extras, part)
     os.replace(part, tmp / f"vitp_rank{rank}.pt")
@@ -201,7 +204,11 @@ def resume(engine, ckpt: Path, universal: Path | None = None) -> dict:
     extras = torch.load(mine if mine.is_file() and universal is None else ckpt / "vitp_rank0.pt",
                         map_location="cpu", weights_only=True)
     set_rng_state(extras["rng"])
-    return {"step": int(extras["step"]), "loader": json.loads(extras["loader"]), "manifest": read_manifest(ckpt)}
+    shared = extras.get("shared") if rank == 0 or universal is not None else None
+    if shared is None and (ckpt / "vitp_rank0.pt").is_file():
+        shared = torch.load(ckpt / "vitp_rank0.pt", map_location="cpu", weights_only=True).get("shared")
+    return {"step": int(extras["step"]), "loader": json.loads(extras["loader"]), "manifest": read_manifest(ckpt),
+            "shared": shared or {}}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -431,6 +431,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError(f"engine.offload_params: needs engine.zero_stage=3; got {e.zero_stage}")
     if e.offload_optimizer and e.zero_stage == 0:
         raise ConfigError("engine.offload_optimizer: needs engine.zero_stage >= 1")
+    if cfg.optim.ema is not None and e.zero_stage == 3:
+        raise ConfigError("optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)")
     if any(s < 1 for s in cfg.eval.fewshot_shots):
         raise ConfigError(f"eval.fewshot_shots: shots must be >= 1; got {cfg.eval.fewshot_shots}")
 

@@ -29,6 +29,7 @@ from pipeline import checkpoint as ckpt_lib
 from pipeline import engine as eng_lib
 from pipeline import stopping
 from pipeline.config import Config, ConfigError, flatten, to_yaml, write_resolved
+from pipeline.ema import Ema
 from pipeline.schedule import lr_for
 from pipeline.tracking import loss_curve_png, start_tracking
 
@@ -247,6 +248,7 @@ def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None =
     loader = data.TrainLoader(cfg.data, img_size=cfg.model.img_size, micro_batch=cfg.train.micro_batch,
                               global_batch=cfg.train.global_batch, rank=rank, world_size=world, seed=cfg.seed)
 
+    ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
     step, run_id, run_key, history = 0, None, None, []
     metrics_path = run_dir / "metrics.jsonl"
     if resume_from is not None:
@@ -254,6 +256,8 @@ def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None =
         step, run_id = state["step"], state["manifest"].get("mlflow_run_id")
         run_key = state["manifest"].get("mlflow_run_key")
         loader.load_state_dict(state["loader"])
+        if ema is not None:
+            ema.load_state_dict({k[4:]: v for k, v in state["shared"].items() if k.startswith("ema/")})
         rank0_print(f"resuming from {resume_from} (step {step}, saved by {state['manifest']['world_size']} ranks)")
     if rank == 0:
         write_resolved(cfg, run_dir)
@@ -269,8 +273,9 @@ def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None =
         manifest = {"config": json.loads(json.dumps(flatten(cfg))), "model_config": model.config,
                     "zero_stage": cfg.engine.zero_stage, "precision": cfg.engine.precision,
                     "mlflow_run_id": tracker.run_id, "mlflow_run_key": tracker.run_key}
+        shared = {f"ema/{k}": v for k, v in ema.state_dict().items()} if ema is not None else None
         return ckpt_lib.save(engine, run_dir, at_step, loader_state=loader.state_dict(), manifest=manifest,
-                             keep=cfg.checkpoint.keep)
+                             keep=cfg.checkpoint.keep, shared=shared)
 
     def log(record: dict) -> None:
         if rank == 0:
@@ -318,6 +323,8 @@ def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None =
             raise NonFiniteLoss(f"step {step + 1}: non-finite loss (lr {lr:.3g}); stopped before the optimizer "
                                 f"step, nothing saved; last complete checkpoint: {good or 'none'}")
         engine.step()  # the boundary: clip, optimizer update
+        if ema is not None:
+            ema.update(engine.module)
         step += 1
         window += local
         steps_window += 1
@@ -364,6 +371,8 @@ def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None =
     weights = run_dir / "model.safetensors"
     if rank == 0:
         sd, model_config = ckpt_lib.load_checkpoint_weights(final)
+        if ema is not None:  # the averaged weights are the ones to ship; raw ones stay in checkpoints
+            sd = {k: ema.state_dict().get(k, v) for k, v in sd.items()}
         ckpt_lib.save_weights(sd, model_config, weights)
         png = loss_curve_png(history, run_dir / "loss_curve.png")
         for path in (run_dir / "config.yaml", weights, png):

@@ -123,7 +123,8 @@ class EvalLoader:
         self.img_size, self.batch = img_size, batch
         n = self.spec["val" if split != "train" else "train"]
         self.idx = list(range(rank, n, world_size))
-        self.num_batches = -(-(-(-n // world_size)) // batch)  # ceil(ceil(n / world) / batch)
+        per_rank = -(-n // world_size)  # ceil(n / world)
+        self.num_batches = -(-per_rank // batch)
         self._templates = _templates(self.spec["classes"], img_size)
 
     def __len__(self) -> int:

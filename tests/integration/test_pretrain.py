@@ -211,3 +211,18 @@ def test_vit_l16_recipe_two_steps_zero3(tmp_path):
     assert run_local(argv, 2, timeout=1800) == 0
     ls = losses(tmp_path)
     assert set(ls) == {1, 2} and all(torch.isfinite(torch.tensor(v)) for v in ls.values())
+
+
+def test_ema_resumes_exactly_and_is_the_exported_model(reference, tmp_path):
+    """optim.ema: the average is checkpointed (a killed run resumes it bit-exactly) and becomes
+    model.safetensors; the raw weights stay those of the run without EMA."""
+    ema = ["optim.ema=0.5", "engine.zero_stage=2"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert pretrain(whole, *ema) == 0
+    assert pretrain(killed, *ema, env={"VITP_TEST_KILL_AT_STEP": "5"}) != 0
+    assert pretrain(killed, *ema) == 0
+    assert losses(killed) == losses(whole) == losses(reference(2))  # EMA does not touch training
+    assert_same_weights(killed, whole)
+    raw, avg = weights(reference(2)), weights(whole)
+    assert any(not torch.equal(raw[k], avg[k]) for k in raw)
+    assert all(torch.isfinite(v).all() for v in avg.values())

@@ -116,3 +116,9 @@ def test_cli_help_everywhere():
         h = run_cli(name, "--help")
         assert "example:" in h.stdout, (name, h.stdout, h.stderr)
     assert run_cli("nonsense").returncode == 2
+
+
+def test_ema_needs_replicated_parameters():
+    assert error_of(["optim.ema=0.999", "engine.zero_stage=3"]) == \
+        "optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)"
+    assert load_config(TINY, ["optim.ema=0.999"]).optim.ema == 0.999

@@ -388,21 +388,30 @@ def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None =
                   weights=str(weights), mlflow_run_id=tracker.run_id)
 
 
-def main(argv: list[str]) -> int:
+def stage_main(argv: list[str], command: str, description: str, fn, usage_errors: tuple = ()) -> int:
+    """`vitp pretrain|transfer --config X.yaml [overrides]`: parse, validate (exit 2 before anything
+    starts), run ``fn(cfg)`` in this process group; exit 1 on a non-finite loss, 2 on a usage error."""
     from launch.cli import add_config_args, load_config_or_exit, parser_for
 
-    p = parser_for("pretrain", "pre-train a ViT with DeepSpeed ZeRO; resumes from RUN_DIR's newest "
-                               "complete checkpoint (run.fresh=true starts over)")
+    p = parser_for(command, description)
     add_config_args(p)
     args = p.parse_args(argv)
     cfg = load_config_or_exit(args, world_size=dist_env().world_size)
     try:
-        result = pretrain(cfg)
-    except (NonFiniteLoss, RunDirError, ConfigError) as e:
+        result = fn(cfg)
+    except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1 if isinstance(e, NonFiniteLoss) else 2
+        return 1
+    except (RunDirError, ConfigError, FileNotFoundError, *usage_errors) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    rank0_print(f"pretrain {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
+    rank0_print(f"{command} {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return stage_main(argv, "pretrain", "pre-train a ViT with DeepSpeed ZeRO; resumes from RUN_DIR's newest "
+                                        "complete checkpoint (run.fresh=true starts over)", pretrain)

@@ -277,31 +277,8 @@ def transfer(cfg):
 
 
 def main(argv: list[str]) -> int:
-    import sys
+    from pipeline.pretrain import stage_main
 
-    import torch.distributed as dist
-
-    from launch.cli import add_config_args, load_config_or_exit, parser_for
-    from launch.distributed import dist_env, rank0_print
-    from pipeline.config import ConfigError
-
-    p = parser_for("transfer", "Fine-tune a pre-trained ViT at a (higher) resolution on a downstream dataset: "
-                               "init.from is a run dir, checkpoint folder, safetensors, timm .pth or JAX .npz.")
-    add_config_args(p)
-    args = p.parse_args(argv)
-    cfg = load_config_or_exit(args, world_size=dist_env().world_size)
-    from pipeline.pretrain import NonFiniteLoss, RunDirError
-
-    try:
-        result = transfer(cfg)
-    except (TransferError, RunDirError, ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    rank0_print(f"transfer {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
-    return 0
+    return stage_main(argv, "transfer", "Fine-tune a pre-trained ViT at a (higher) resolution on a downstream "
+                                        "dataset: init.from is a run dir, checkpoint folder, safetensors, timm "
+                                        ".pth or JAX .npz.", transfer, usage_errors=(TransferError,))

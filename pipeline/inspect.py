@@ -12,7 +12,6 @@ the model (which uses fused SDPA) needs no hooks or changes.
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 

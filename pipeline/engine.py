@@ -33,9 +33,9 @@ deepspeed.utils.logger.setLevel("WARNING")
 
 def backend_for(cfg) -> str:
     """"auto" → nccl on GPUs, gloo on CPU."""
-    if cfg.engine.backend != "auto":
-        return cfg.engine.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    from launch.distributed import default_backend
+
+    return default_backend(cfg.engine.backend)
 
 
 def init_distributed(cfg) -> None:

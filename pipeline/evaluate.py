@@ -382,11 +382,11 @@ def _default_out(checkpoint: str) -> Path:
 
 def _init_dist_from_env() -> None:
     """Join a process group when a launcher started several ranks (gloo on CPU, nccl on GPUs)."""
-    from launch.distributed import dist_env, export_env
+    from launch.distributed import dist_env, export_env, init_process_group
 
     env = dist_env()
     if env.world_size > 1 and not dist.is_initialized():
         export_env(env)
         if torch.cuda.is_available():
             torch.cuda.set_device(env.local_rank)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        init_process_group(env)  # same rendezvous, timeout and one-line errors as every stage

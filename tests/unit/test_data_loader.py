@@ -207,3 +207,92 @@ def test_normalize_and_mix(data):
     m1, m2 = ld.mix(f.clone(), y), ld.mix(f.clone(), y)  # same batch position → same mix
     assert torch.equal(m1[0], m2[0]) and torch.equal(m1[1], m2[1]) and m1[1].shape == (4, 3)
     assert torch.allclose(m1[1].sum(1), torch.ones(4))
+
+
+def _photo(w=500, h=375, seed=0, mode="RGB", fmt="JPEG") -> bytes:
+    """A smooth photo-like image (gradients + a few shapes + mild noise) encoded as fmt."""
+    import io
+
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFilter
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+    chans = [np.sin(xx / rng.uniform(20, 80)) * 50 + np.cos(yy / rng.uniform(20, 80)) * 40 + 128 for _ in range(3)]
+    im = Image.fromarray(np.clip(np.stack(chans, -1) + rng.normal(0, 6, (h, w, 3)), 0, 255).astype(np.uint8))
+    d = ImageDraw.Draw(im)
+    for _ in range(6):
+        x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+        d.ellipse([x0, y0, x0 + 80, y0 + 60], fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+    b = io.BytesIO()
+    im.filter(ImageFilter.GaussianBlur(1.0)).convert(mode).save(b, fmt, quality=92)
+    return b.getvalue()
+
+
+def _pil_reference(data: bytes, box, size: int, flip: bool, resample) -> torch.Tensor:
+    """What torchvision's RandomResizedCrop does: full Pillow decode, crop, antialiased resize."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    im = Image.open(io.BytesIO(data)).convert("RGB").resize((size, size), resample, box=box)
+    a = np.asarray(im)
+    return torch.from_numpy(np.ascontiguousarray((a[:, ::-1] if flip else a).transpose(2, 0, 1)))
+
+
+@pytest.mark.parametrize("fmt,mode", [("JPEG", "RGB"), ("JPEG", "L"), ("JPEG", "CMYK"), ("PNG", "RGBA"),
+                                      ("PNG", "P")])
+def test_fast_train_decode_matches_pillow_reference(fmt, mode):
+    """The DCT-scaled decode + OpenCV resize equals the full-decode Pillow pipeline up to resampling
+    noise, for every crop size (a reduction by up to 8x, and enlargements)."""
+    import random
+
+    from PIL import Image
+
+    from pipeline.augment import inception_crop_box
+
+    data = _photo(seed=3, mode=mode, fmt=fmt)
+    tf = TrainTransform(96, (0.02, 1.0), hflip=True)
+    errs = []
+    for seed in range(40):
+        rng = random.Random(seed)
+        x, y, cw, ch = inception_crop_box(500, 375, rng, tf.scale)
+        flip = rng.random() < 0.5
+        ref = _pil_reference(data, (x, y, x + cw, y + ch), 96, flip, Image.Resampling.BILINEAR)
+        got = tf(data, seed)
+        assert got.shape == ref.shape == (3, 96, 96) and got.dtype == torch.uint8
+        errs.append((got.float() - ref.float()).abs().mean().item())
+    print(f"{fmt} {mode}: mean abs error max {max(errs):.2f}")
+    assert max(errs) < 3.0, errs  # grey levels out of 255; a wrong box or flip gives tens
+
+
+def test_fast_eval_decode_matches_pillow_reference():
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    data = _photo(seed=4)
+    for size, pct in ((64, 1.0), (224, 0.875), (384, 1.0)):  # reduce by ~6x, ~1.4x; enlarge
+        got = EvalTransform(size, pct)(data)
+        short = size if pct == 1.0 else int(size / pct)
+        tw, th = (size, size) if pct == 1.0 else (round(500 * short / 375), short)
+        im = Image.open(io.BytesIO(data)).convert("RGB").resize((tw, th), Image.Resampling.BICUBIC)
+        left, top = (tw - size) // 2, (th - size) // 2
+        ref = torch.from_numpy(np.asarray(im.crop((left, top, left + size, top + size))).transpose(2, 0, 1).copy())
+        assert got.shape == ref.shape == (3, size, size)
+        err = (got.float() - ref.float()).abs().mean().item()
+        print(f"eval {size} {pct}: mean abs error {err:.2f}")
+        assert err < 3.0, (size, pct)
+
+
+def test_truncated_or_garbage_jpeg_is_a_decode_error():
+    from pipeline.augment import DecodeError
+
+    data = _photo(seed=5)
+    for bad in (data[: len(data) // 2], b"\xff\xd8\xff" + b"\0" * 100, b"not an image"):
+        with pytest.raises(DecodeError):
+            TrainTransform(32)(bad, 0)
+        with pytest.raises(DecodeError):
+            EvalTransform(32)(bad)

@@ -59,26 +59,58 @@ def test_model_at_2x_resolution_resampled_pos_emb_and_zero_head(pretrained, tmp_
     assert src.pre_logits is not None
 
 
+def _bars(root: Path, n: int) -> None:
+    """An ImageFolder of 32x32 PNGs: a bar at one of 4 orientations (the class), random colours and
+    position on a noisy background. Nothing like the pre-training task (coarse colour templates), so
+    the frozen features do not separate it linearly; the network can learn it."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        c = i % 4
+        bg = np.clip(rng.integers(0, 256, 3) + rng.normal(0, 30, (32, 32, 3)), 0, 255).astype(np.uint8)
+        im = Image.fromarray(bg)
+        cx, cy = (int(v) for v in rng.integers(10, 22, 2))
+        dx, dy = [(9, 0), (0, 9), (9, 9), (9, -9)][c]
+        ImageDraw.Draw(im).line([cx - dx, cy - dy, cx + dx, cy + dy], width=3,
+                                fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+        (root / f"o{c}").mkdir(parents=True, exist_ok=True)
+        im.save(root / f"o{c}" / f"{i}.png")
+
+
+@pytest.fixture(scope="module")
+def bars(tmp_path_factory):
+    from data_prep import prep
+
+    d = tmp_path_factory.mktemp("bars")
+    _bars(d / "images", 1000)
+    prep(d / "images", d / "shards", val_fraction=0.3, max_samples_per_shard=100, progress=False)
+    return d / "shards"
+
+
 @pytest.mark.slow
-def test_finetune_loss_falls_and_beats_linear_probe(pretrained, tmp_path):
+def test_finetune_loss_falls_and_beats_linear_probe(pretrained, bars, tmp_path):
+    """Fine-tune the 16 px pre-trained model at 32 px on a new task read from real shards; a linear
+    probe of its frozen features (same images, same resolution) is the baseline to beat."""
     run = tmp_path / "ft"
-    r = _vitp("transfer", "--config", str(FT), f"run.dir={run}", f"init.from={pretrained}", f"data.path={DATA}",
-              "model.img_size=32", "train.steps=30", "tracking.enabled=false")
+    r = _vitp("transfer", "--config", str(FT), f"run.dir={run}", f"init.from={pretrained}", f"data.path={bars}",
+              "model.img_size=32", "train.steps=300", "optim.lr=0.1", "tracking.enabled=false")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "pos-emb resampled 4x4 -> 8x8" in r.stdout
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert losses[-1] < 0.5 * losses[0]
     res = json.loads((run / "results.json").read_text())
-    assert res["val/n"] == 100 and res["posemb_resampled"] == [[4, 4], [8, 8]]
-    assert res["parent_step"] == 20 and res["num_classes"] == 5
+    assert res["val/n"] == 300 and res["posemb_resampled"] == [[4, 4], [8, 8]]
+    assert res["parent_step"] == 20 and res["num_classes"] == 4
     for name in ("confusion_val.png", "per_class_val.json", "model.safetensors"):
         assert (run / name).is_file(), name
-    # baseline: logistic regression on the frozen pre-trained features, same images, same resolution
-    base = evaluate_model(load_model(pretrained, img_size=32), DataCfg(path=DATA), classify_split=False,
+    base = evaluate_model(load_model(pretrained, img_size=32), DataCfg(path=str(bars)), classify_split=False,
                           linear_probe=True)
-    # the synthetic toy task is easy enough that both can reach 100 %: fine-tuning must not be worse
-    assert res["val/top1"] >= base["linear_probe/top1"] - 1e-9
-    assert res["val/top1"] > 0.9
+    print(f"fine-tuned top-1 {res['val/top1']:.3f}, linear probe {base['linear_probe/top1']:.3f}")
+    # measured: 0.91 vs 0.28 (chance 0.25)
+    assert res["val/top1"] > 0.7
+    assert res["val/top1"] > base["linear_probe/top1"] + 0.3
 
 
 # ---------------------------------------------------------------- wrong inputs fail clearly (fast)

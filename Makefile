@@ -7,7 +7,7 @@ LOCK := requirements.lock
 STAMP := $(VENV)/.vitp-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-quick venv services-up services-down bench lint lock clean
+.PHONY: demo test test-quick venv services-up services-down bench bench-img2dataset lint lock clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,16 @@ bench: $(STAMP)
 	$(PY) bench/loader.py
 	$(PY) bench/tracking.py
 	$(PY) bench/eval.py
+
+# The peer for `vitp prep`: img2dataset in its own venv (never a vitp dependency), same images and
+# worker count, over loopback HTTP; prints `ratio prep_vs_img2dataset`.
+PEER_VENV := .bench-venv/img2dataset
+$(PEER_VENV)/bin/img2dataset:
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q img2dataset
+
+bench-img2dataset: $(STAMP) $(PEER_VENV)/bin/img2dataset
+	$(PY) bench/prep.py --img2dataset $(abspath $(PEER_VENV))/bin/img2dataset --only-img2dataset
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline launch data_prep tests bench

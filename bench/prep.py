@@ -12,20 +12,35 @@ Prints:
   ratio prep_2w_vs_1w VALUE       (goal >= 1.7 on a machine with 2 free cores)
   ratio codec_chosen_vs_pil VALUE (chosen codec path vs a plain Pillow loop, 1 process)
 
-Usage: python bench/prep.py [--quick] [--images N] [--repeats R]
+With ``--img2dataset BIN`` (img2dataset installed in a separate venv: ``make bench-img2dataset``
+builds one; it is never a vitp dependency), the peer comparison the issue sets: the same JPEGs
+served from loopback HTTP to img2dataset (2 processes, shorter side 256, JPEG q90, webdataset
+output) and read from disk by the ``vitp prep`` CLI (2 workers, same resize and quality), each timed
+as a subprocess for 1000 and for 4000 images; throughput at the margin = 3000 / (t4000 - t1000), so
+start-up does not decide it:
+  ratio prep_vs_img2dataset VALUE (goal >= 1.2)
+
+Usage: python bench/prep.py [--quick] [--images N] [--repeats R] [--img2dataset BIN]
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import functools
+import glob
 import io
+import json
 import os
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -151,16 +166,103 @@ def run_prep(src: Path, scratch: Path, workers: int) -> int:
     return s["samples_written"]
 
 
+# --- the peer: img2dataset over loopback HTTP, vs the vitp prep CLI, at the margin ---------------------
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def _serve(root: Path) -> tuple[ThreadingHTTPServer, str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(root)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+
+def _timed(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                       env=dict(os.environ, NO_ALBUMENTATIONS_UPDATE="1"))
+    dt = time.perf_counter() - t0
+    if r.returncode:
+        sys.exit(f"bench: {cmd[0]} failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
+    return dt
+
+
+def img2dataset_run(bin_: str, urls: Path, out: Path, workers: int) -> tuple[float, int]:
+    """(wall seconds, images written) for img2dataset over the URL list."""
+    shutil.rmtree(out, ignore_errors=True)
+    dt = _timed([bin_, "--url_list", str(urls), "--input_format", "txt", "--output_format", "webdataset",
+                 "--output_folder", str(out), "--processes_count", str(workers), "--thread_count", "32",
+                 "--image_size", str(SHORTER), "--resize_mode", "keep_ratio", "--resize_only_if_bigger", "True",
+                 "--encode_format", "jpg", "--encode_quality", str(QUALITY), "--number_sample_per_shard", "500",
+                 "--distributor", "multiprocessing", "--timeout", "30", "--retries", "0", "--enable_wandb", "False"])
+    ok = sum(json.loads(Path(f).read_text())["successes"] for f in glob.glob(str(out / "*_stats.json")))
+    return dt, ok
+
+
+def vitp_cli_run(manifest: Path, out: Path, workers: int) -> tuple[float, int]:
+    """(wall seconds, images written) for `vitp prep MANIFEST OUT` as a user runs it."""
+    shutil.rmtree(out, ignore_errors=True)
+    dt = _timed([sys.executable, "-m", "launch.cli", "prep", str(manifest), str(out), "--workers", str(workers),
+                 "--resize-shorter", str(SHORTER), "--quality", str(QUALITY), "--max-samples-per-shard", "500",
+                 "--no-progress"])
+    info = json.loads((out / "_info.json").read_text())
+    return dt, sum(s["num_samples"] for s in info["splits"].values())
+
+
+def versus_img2dataset(bin_: str, scratch: Path, workers: int = 2, small: int = 1000, large: int = 4000,
+                       repeats: int = 2) -> float:
+    src = scratch / "peer_images"
+    paths = make_dataset(src, large, seed=1)
+    srv, base = _serve(src)
+    try:
+        lists = {}
+        for n in (small, large):
+            rel = [os.path.relpath(p, src) for p in paths[:n]]
+            (scratch / f"urls_{n}.txt").write_text("".join(f"{base}/{r}\n" for r in rel))
+            with open(src / f"manifest_{n}.csv", "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["path", "label"])
+                w.writerows((r, r.split("/")[0]) for r in rel)
+            lists[n] = (scratch / f"urls_{n}.txt", src / f"manifest_{n}.csv")
+        best: dict[tuple[str, int], float] = {}
+        for rep in range(repeats):  # alternate the tools; keep each one's best time per size
+            for n in (small, large):
+                for tool in (("img2dataset", "vitp") if rep % 2 == 0 else ("vitp", "img2dataset")):
+                    if tool == "vitp":
+                        dt, ok = vitp_cli_run(lists[n][1], scratch / "peer_vitp", workers)
+                    else:
+                        dt, ok = img2dataset_run(bin_, lists[n][0], scratch / "peer_i2d", workers)
+                    if ok != n:
+                        sys.exit(f"bench: {tool} wrote {ok} of {n} images")
+                    best[tool, n] = min(best.get((tool, n), float("inf")), dt)
+                    print(f"# {tool:11s} {n:5d} images: {dt:6.1f}s ({n / dt:.0f} img/s overall)", flush=True)
+    finally:
+        srv.shutdown()
+    margin = {t: (large - small) / (best[t, large] - best[t, small]) for t in ("vitp", "img2dataset")}
+    for t, v in margin.items():
+        print(f"# {t} at the margin ({large} - {small} images, {workers} processes): {v:.0f} img/s")
+    return margin["vitp"] / margin["img2dataset"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="500 images, 1 repeat")
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats; the best of each is kept")
+    ap.add_argument("--img2dataset", metavar="BIN", help="img2dataset executable (a separate venv) to compare with")
+    ap.add_argument("--only-img2dataset", action="store_true", help="skip the ceiling/codec part")
     args = ap.parse_args()
     n, repeats = (500, 1) if args.quick else (args.images, args.repeats)
     _init()
     scratch = Path(tempfile.mkdtemp(prefix="vitp-bench-prep-"))
     try:
+        if args.img2dataset:
+            ratio = versus_img2dataset(args.img2dataset, scratch, repeats=args.repeats)
+            print(f"ratio prep_vs_img2dataset {ratio:.3f}", flush=True)
+            if args.only_img2dataset:
+                return
         src = scratch / "images"
         t0 = time.perf_counter()
         paths = make_dataset(src, n)

@@ -156,7 +156,10 @@ def _results(root: str, opts: ImageOptions, shards: list[dict], workers: int) ->
         for si, last, task in _tasks(root, opts, shards):
             yield si, last, _work(task)
         return
-    # fork: workers start in milliseconds and inherit the imported codecs
+    # fork: workers start in milliseconds and inherit the imported codecs. OpenCV's thread pool does
+    # not survive a fork: a child that touches it (even cv2.setNumThreads) waits forever for threads
+    # that exist only in the parent. Dropping the parent to one OpenCV thread first stops them.
+    init_worker()
     with ProcessPoolExecutor(workers, mp_context=get_context("fork"), initializer=init_worker) as ex:
         pending: deque = deque()
         tasks = _tasks(root, opts, shards)

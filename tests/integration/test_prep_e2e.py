@@ -191,3 +191,20 @@ print(json.dumps(s["rejects_by_reason"]))
     # (the 200 MP one still hits Pillow's own hard limit of 2 × 89 MP)
     uncapped = run(150_000_000, "control")
     assert uncapped["too_large"] == 1 and uncapped["decode_error"] == 1
+
+
+def test_workers_do_not_hang_after_the_caller_used_opencv_threads(bad_corpus, tmp_path):  # noqa: F811
+    """A caller (a notebook, a script) that ran a multi-threaded OpenCV op before prep(workers=2):
+    forked workers used to wait forever on OpenCV's pool threads, which only exist in the parent."""
+    root, _ = bad_corpus
+    code = """
+import sys, cv2, numpy as np
+cv2.resize(np.zeros((1500, 1500), np.float32), (2500, 2500), interpolation=cv2.INTER_CUBIC)  # starts cv2's pool
+from data_prep import prep
+s = prep(sys.argv[1], sys.argv[2], max_samples_per_shard=5, progress=False, workers=2)
+print(s["samples_written"])
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(root), str(tmp_path / "out")], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split()[-1]) > 0

@@ -34,7 +34,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.augment import TrainTransform, normalize  # noqa: E402
+from pipeline.augment import TrainTransform, normalize, stack  # noqa: E402
 from pipeline.config import DataCfg  # noqa: E402
 from pipeline.data import TrainLoader  # noqa: E402
 
@@ -96,7 +96,7 @@ class InMemory(torch.utils.data.IterableDataset):
         for b in range(d, nb, n):
             chunk = self.samples[b * self.batch:(b + 1) * self.batch]
             imgs = [self.tf(data, b * 7919 + j) for j, (data, _) in enumerate(chunk)]
-            yield torch.stack(imgs), torch.tensor([lab for _, lab in chunk])
+            yield stack(imgs), torch.tensor([lab for _, lab in chunk])
 
 
 def _one_thread(_):

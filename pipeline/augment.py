@@ -25,6 +25,7 @@ import numpy as np
 import simplejpeg
 import torch
 from PIL import Image
+from torch.utils.data import default_collate
 
 cv2.setNumThreads(1)  # per-sample work in loader workers: OpenCV's own threads only fight them
 
@@ -197,10 +198,10 @@ class EvalTransform:
         return _chw(a[top:top + s, left:left + s])
 
 
-def augment_batch(items, transform, seeds, fill_seeds, on_error):
+def augment_batch(items, transform, seeds, fill_seed, on_error):
     """[(key, bytes, label)] × B → (images uint8 [B, 3, S, S], labels int64 [B], keys), or None if no
     image decodes. An undecodable sample (``on_error(key, err)`` is told) is replaced by another of
-    the same batch re-augmented with its ``fill_seeds`` entry, so the batch keeps its raw samples."""
+    the same batch re-augmented with seed ``fill_seed(i)``, so the batch keeps its raw samples."""
     imgs, good = [], []
     for i, ((key, data, _), s) in enumerate(zip(items, seeds)):
         try:
@@ -215,16 +216,23 @@ def augment_batch(items, transform, seeds, fill_seeds, on_error):
     for i in range(len(items)):
         j = i if imgs[i] is not None else good[i % len(good)]
         if j != i:
-            imgs[i] = transform(items[j][1], fill_seeds[i])
+            imgs[i] = transform(items[j][1], fill_seed(i))
         keys.append(items[j][0])
         labels.append(items[j][2])
-    return torch.stack(imgs), torch.tensor(labels, dtype=torch.int64), keys
+    return stack(imgs), torch.tensor(labels, dtype=torch.int64), keys
+
+
+def stack(images: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack; inside a DataLoader worker, straight into shared memory (torch's default_collate
+    does that), which saves the copy into shared memory when the batch is sent to the main process."""
+    return default_collate(images)
 
 
 def eval_batch(items, transform, batch: int, on_error):
     """[(key, bytes, label)] × n ≤ batch → (images uint8 [batch, 3, S, S], labels int64 [batch],
     valid bool [batch], keys); rows past n and undecodable ones are invalid (zeros, label -1)."""
-    images = torch.zeros(batch, 3, transform.size, transform.size, dtype=torch.uint8)
+    blank = torch.zeros(3, transform.size, transform.size, dtype=torch.uint8)
+    images = [blank] * batch
     labels = torch.full((batch,), -1, dtype=torch.int64)
     valid = torch.zeros(batch, dtype=torch.bool)
     keys = [""] * batch
@@ -235,7 +243,7 @@ def eval_batch(items, transform, batch: int, on_error):
             on_error(key, e)
             continue
         labels[i], valid[i], keys[i] = label, True, key
-    return images, labels, valid, keys
+    return stack(images), labels, valid, keys
 
 
 def shuffle_buffer(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:

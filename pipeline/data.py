@@ -161,7 +161,7 @@ def _train_stream(p, epoch: int, stream: int, n: int, count: int, done: int):
             batch = list(itertools.islice(raw, mb))
             pos = [i for i, _ in batch]
             out = augment_batch([x for _, x in batch], tf, [sample_seed(seed, epoch, rank, stream, i) for i in pos],
-                                [sample_seed(seed, epoch, rank, stream, i, 1) for i in pos], undecodable)
+                                lambda j, pos=pos: sample_seed(seed, epoch, rank, stream, pos[j], 1), undecodable)
         yield (*out, counts.take())
 
 

@@ -51,8 +51,10 @@ def _stem_flops(layers: tuple[int, ...], width: int, cin: int, h: int, w: int):
 
 
 def vit_forward_flops(model_or_config: torch.nn.Module | Mapping[str, Any] | str,
-                      batch: int = 1) -> int:
-    """Forward FLOPs of `batch` images for a ViT model, its config dict or a variant name."""
+                      batch: int = 1, features: bool = False) -> int:
+    """Forward FLOPs of `batch` images for a ViT model, its config dict or a variant name: of
+    ``model(x)`` (with a class-token head the last block computes token 0 only), or of
+    ``forward_features(x)`` (every token through every block) with ``features=True``."""
     cfg = _config(model_or_config)
     d, depth = int(cfg["width"]), int(cfg["depth"])
     mlp = int(cfg.get("mlp_dim") or 4 * d)
@@ -69,7 +71,11 @@ def vit_forward_flops(model_or_config: torch.nn.Module | Mapping[str, Any] | str
     t = n + (1 if cfg.get("class_token", True) else 0)
     flops += 2 * n * d * cin * patch * patch  # patch embedding
     per_block = 2 * t * (3 * d * d + d * d + 2 * d * mlp) + 4 * t * t * d
-    flops += depth * per_block
+    if features or cfg.get("pool", "token") != "token":
+        return (flops + depth * per_block) * batch
+    # last block, token 0 only: keys/values of all t tokens, one query, its projection and MLP
+    last = 2 * t * 2 * d * d + 2 * (d * d + d * d + 2 * d * mlp) + 4 * t * d
+    flops += (depth - 1) * per_block + last
     rep = cfg.get("representation_size") or 0
     if rep:
         flops += 2 * d * rep

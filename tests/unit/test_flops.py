@@ -7,11 +7,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeline.model import build_vit, train_step_flops, vit_forward_flops
 
 
-def _counted(model, batch):
+def _counted(model, batch, features=False):
     # on the meta device SDPA takes a path FlopCounterMode sees (the CPU flash kernel it does not)
     x = torch.empty(batch, model.config["in_chans"], *model.img_size, device="meta")
     with FlopCounterMode(display=False) as fc:
-        model(x)
+        model.forward_features(x) if features else model(x)
     return fc.get_total_flops()
 
 
@@ -24,14 +24,17 @@ def _counted(model, batch):
 def test_forward_flops_match_flop_counter(name, kw):
     with torch.device("meta"):
         m = build_vit(name, **kw)
-    ours, counted = vit_forward_flops(m, batch=2), _counted(m, 2)
-    assert abs(ours - counted) / counted < 0.01
-    assert vit_forward_flops(m.config, batch=2) == ours
+    for features in (False, True):
+        ours, counted = vit_forward_flops(m, batch=2, features=features), _counted(m, 2, features)
+        assert abs(ours - counted) / counted < 0.01, features
+        assert vit_forward_flops(m.config, batch=2, features=features) == ours
 
 
 def test_known_value_and_train_step_multipliers():
     # ViT-B/16 at 224 px: the commonly quoted 17.6 G multiply-adds per image
-    assert vit_forward_flops("vit_b16") / 1e9 == pytest.approx(35.1, rel=0.01)
+    assert vit_forward_flops("vit_b16", features=True) / 1e9 == pytest.approx(35.1, rel=0.01)
+    # the class-token head needs only token 0 out of the last block: 2.4 GFLOPs of it are skipped
+    assert vit_forward_flops("vit_b16") / 1e9 == pytest.approx(32.7, rel=0.01)
     f = vit_forward_flops("vit_s16", batch=4)
     assert train_step_flops("vit_s16", batch=4) == 3 * f
     assert train_step_flops("vit_s16", batch=4, grad_checkpointing=True) == 4 * f

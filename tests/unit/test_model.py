@@ -186,3 +186,26 @@ def test_tiny_model_overfits_one_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.1 * losses[0]
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_class_token_logits_skip_the_last_blocks_other_tokens(ckpt):
+    """model(x) computes only token 0 through the last block; logits and every gradient equal the
+    full computation (forward_features over all tokens, then the head)."""
+    torch.manual_seed(0)
+    m = build_vit(width=64, depth=3, heads=4, mlp_dim=128, patch=4, img_size=16, num_classes=5,
+                  representation_size=32)
+    torch.nn.init.normal_(m.head.weight)  # the zero-initialised head would make any logits equal
+    m.set_grad_checkpointing(ckpt)
+    x = torch.randn(4, 3, 16, 16)
+    fast = m(x)
+    fast.square().sum().backward()
+    g_fast = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    full = m.forward_head(m.forward_features(x))
+    full.square().sum().backward()
+    assert fast.shape == (4, 5) and torch.allclose(fast, full, atol=1e-6)
+    for n, p in m.named_parameters():
+        err = (g_fast[n] - p.grad).abs().max()  # float rounding: ~5e-7 of the largest entry
+        assert err <= 1e-5 * p.grad.abs().max() + 1e-7, (n, err)
+    assert m.forward_features(x, first_token_only=True).shape == (4, 1, 64)

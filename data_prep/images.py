@@ -1,8 +1,8 @@
 """One input file → one sanitized stored image (RGB, 8 bit, EXIF applied and stripped) or a Reject.
 
 Fast path: baseline RGB/gray JPEGs are decoded by simplejpeg (libjpeg-turbo) with DCT-domain
-downscaling chosen so the decoded image is still >= the target size, then resized with area
-averaging (antialiased) and re-encoded. Every other format goes through Pillow. Both paths are
+downscaling chosen so the decoded image is still >= the target size, then resized (bilinear for
+the <= 1.25x left after DCT scaling, area averaging for larger reductions) and re-encoded. Every other format goes through Pillow. Both paths are
 deterministic, so the same input always gives the same bytes.
 """
 

@@ -22,7 +22,8 @@ Activations are counted from what autograd saves in a vitp Block (checked agains
 LayerNorm mean/rstd and the attention log-sum-exp in fp32. torch SDPA (flash / memory-efficient,
 on CUDA and on CPU alike) never stores the T x T matrix; `attention="math"` adds it. Dropout keeps
 a mask per dropped element (2 D + M more): 1 byte on CUDA, the element size on CPU. With activation
-checkpointing a block keeps only its input.
+checkpointing a block keeps only its input. With a class-token head the last block runs token 0
+alone past attention: the other tokens keep only LN1 in/out, K and V (4 D).
 
 `backend="cuda"` counts buffers as allocated (the caching allocator holds all of a bucket);
 `backend="cpu"` counts touched pages only (a bucket larger than the gradients it holds is never
@@ -126,15 +127,21 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, precision: str, che
         per_block += mask * B * T * (2 * D + M)
     if attention == "math":  # softmax(QK^T) kept for backward
         per_block += a * B * h * T * T
-    # embedding (image, patch tokens) and the head (final LN in, pooled features, logits)
-    ends = a * B * (shape.in_chans * shape.img_size**2 + 2 * T * D) + 4 * B * max(shape.num_classes, 1) * 2
+    # the image (the patch conv's input) and the head (final LN in: token 0, or every token for GAP; logits)
+    head_tokens = 1 if shape.config.get("pool", "token") == "token" else T
+    ends = a * B * (shape.in_chans * shape.img_size**2 + head_tokens * D) + 4 * B * max(shape.num_classes, 1) * 2
     block_input = a * B * T * D
+    if head_tokens == 1:  # the last block computes token 0 only: all tokens keep LN1 in/out, K and V
+        tok0 = a * B * (8 * D + 2 * M) + 4 * B * (4 + h)
+        last_block = a * B * T * 4 * D + 4 * B * T * 2 + tok0
+    else:
+        last_block = per_block
     if checkpointing:
         stored = shape.depth * block_input + ends
         # one block recomputed in backward, plus the gradient flowing through it
         peak = stored + per_block + 2 * block_input + a * B * T * M
     else:
-        stored = shape.depth * per_block + ends
+        stored = (shape.depth - 1) * per_block + last_block + ends
         # backward of a block holds the grads of its widest tensors next to what is still stored
         peak = stored + 2 * block_input + a * B * T * M
     return {"per_block": float(per_block), "stored": float(stored), "peak": float(peak)}

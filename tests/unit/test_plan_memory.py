@@ -135,8 +135,8 @@ def test_checkpointed_model_keeps_block_inputs_only():
     ck = _saved_activation_bytes(model, x)
     plan_full = activation_bytes(sh, micro_batch=2, precision="fp32", backend="cpu")["stored"]
     plan_ck = activation_bytes(sh, micro_batch=2, precision="fp32", backend="cpu", checkpointing=True)["stored"]
-    assert plan_full == pytest.approx(full, rel=0.1)
-    assert plan_ck == pytest.approx(ck, rel=0.25)
+    assert plan_full == pytest.approx(full, rel=0.02)  # measured: within 0.2 % and 0.3 %
+    assert plan_ck == pytest.approx(ck, rel=0.02)
 
 
 def test_impossible_inputs_raise():

@@ -184,7 +184,9 @@ def test_registry_roundtrip(pretrained, tmp_path, mlflow_server):
     client = mlflow.MlflowClient(uri)
     tags = client.get_run(res["mlflow_run_id"]).data.tags
     assert tags["stage"] == "transfer" and tags["vitp.parent_step"] == "20"
-    version = client.get_latest_versions(name)[0]
+    versions = client.search_model_versions(f"name='{name}'")  # (stage-based lookups are deprecated)
+    assert len(versions) == 1 and versions[0].run_id == res["mlflow_run_id"]
+    version = versions[0]
     loaded = mlflow.pytorch.load_model(f"models:/{name}/{version.version}")
     ours = load_model(run / "model.safetensors")
     x = torch.randn(4, 3, 32, 32)

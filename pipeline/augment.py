@@ -27,10 +27,9 @@ import torch
 from PIL import Image
 from torch.utils.data import default_collate
 
-cv2.setNumThreads(1)  # per-sample work in loader workers: OpenCV's own threads only fight them
+from data_prep.images import resize_rgb
 
-# Above this remaining reduction, bilinear sampling would alias: average areas instead.
-_AREA_ABOVE = 1.25
+cv2.setNumThreads(1)  # per-sample work in loader workers: OpenCV's own threads only fight them
 
 
 class DecodeError(ValueError):
@@ -78,18 +77,11 @@ class _Source:
 
 def resize_box(a: np.ndarray, box: tuple[float, float, float, float], out_w: int, out_h: int,
                cubic: bool = False) -> np.ndarray:
-    """The ``box`` (left, top, right, bottom, in ``a``'s pixels) of uint8 [H, W, 3] → [out_h, out_w, 3]:
-    bilinear (or bicubic) when enlarging or reducing by ≤ 1.25, else area-averaged (no aliasing)."""
+    """The ``box`` (left, top, right, bottom, in ``a``'s pixels) of uint8 [H, W, 3] → [out_h, out_w, 3],
+    resized as prep does (bilinear or bicubic up to a 1.25x reduction, area-averaged beyond)."""
     x0, y0 = max(0, int(round(box[0]))), max(0, int(round(box[1])))
     x1, y1 = min(a.shape[1], max(x0 + 1, int(round(box[2])))), min(a.shape[0], max(y0 + 1, int(round(box[3]))))
-    crop = a[y0:y1, x0:x1]
-    if crop.shape[1] > _AREA_ABOVE * out_w or crop.shape[0] > _AREA_ABOVE * out_h:
-        interp = cv2.INTER_AREA
-    else:
-        interp = cv2.INTER_CUBIC if cubic else cv2.INTER_LINEAR
-    if crop.shape[:2] == (out_h, out_w):
-        return crop
-    return cv2.resize(crop, (out_w, out_h), interpolation=interp)
+    return resize_rgb(a[y0:y1, x0:x1], (out_w, out_h), cubic)
 
 
 def _chw(a: np.ndarray) -> torch.Tensor:

@@ -192,23 +192,22 @@ def universal_for(ckpt: Path, world: int) -> Path | None:
 def resume(engine, ckpt: Path, universal: Path | None = None) -> dict:
     """Load model + optimizer (DeepSpeed), this rank's RNG and loader state from ``ckpt``.
 
-    Returns {"step", "loader", "manifest"}. With ``universal`` (a world-size change) the DeepSpeed
-    state comes from the converted folder and every rank takes rank 0's RNG state.
+    Returns {"step", "loader", "manifest", "shared"}. With ``universal`` (a world-size change) the
+    DeepSpeed state comes from the converted folder and every rank takes rank 0's RNG state.
+    ``shared`` (e.g. EMA weights) is read from rank 0's file, where save() stores it once.
     """
     from pipeline import engine as eng
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     src = universal or ckpt
     eng.load_checkpoint(engine, str(src.parent), src.name)
-    mine = ckpt / f"vitp_rank{rank}.pt"
-    extras = torch.load(mine if mine.is_file() and universal is None else ckpt / "vitp_rank0.pt",
-                        map_location="cpu", weights_only=True)
+    mine, first = ckpt / f"vitp_rank{rank}.pt", ckpt / "vitp_rank0.pt"
+    src_file = mine if mine.is_file() and universal is None else first
+    extras = torch.load(src_file, map_location="cpu", weights_only=True)
     set_rng_state(extras["rng"])
-    shared = extras.get("shared") if rank == 0 or universal is not None else None
-    if shared is None and (ckpt / "vitp_rank0.pt").is_file():
-        shared = torch.load(ckpt / "vitp_rank0.pt", map_location="cpu", weights_only=True).get("shared")
+    rank0 = extras if src_file == first else torch.load(first, map_location="cpu", weights_only=True)
     return {"step": int(extras["step"]), "loader": json.loads(extras["loader"]), "manifest": read_manifest(ckpt),
-            "shared": shared or {}}
+            "shared": rank0.get("shared") or {}}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -372,7 +372,8 @@ def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None =
     if rank == 0:
         sd, model_config = ckpt_lib.load_checkpoint_weights(final)
         if ema is not None:  # the averaged weights are the ones to ship; raw ones stay in checkpoints
-            sd = {k: ema.state_dict().get(k, v) for k, v in sd.items()}
+            averaged = ema.state_dict()
+            sd = {k: averaged.get(k, v) for k, v in sd.items()}
         ckpt_lib.save_weights(sd, model_config, weights)
         png = loss_curve_png(history, run_dir / "loss_curve.png")
         for path in (run_dir / "config.yaml", weights, png):

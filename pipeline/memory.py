@@ -122,18 +122,18 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, precision: str, che
     a, B, T, D, M = BYTES[precision], micro_batch, shape.tokens, shape.width, shape.mlp_dim
     h = shape.heads
     mask = 1 if backend == "cuda" else a
-    per_block = a * B * T * (8 * D + 2 * M) + 4 * B * T * (4 + h)  # + LN stats, log-sum-exp (fp32)
+    per_token = a * B * (8 * D + 2 * M) + 4 * B * (4 + h)  # + LN stats, log-sum-exp (fp32)
     if dropout:  # masks after proj, GELU and fc2 (fc2 then keeps the dropped hidden instead of GELU's output)
-        per_block += mask * B * T * (2 * D + M)
-    if attention == "math":  # softmax(QK^T) kept for backward
-        per_block += a * B * h * T * T
+        per_token += mask * B * (2 * D + M)
+    if attention == "math":  # softmax(QK^T) kept for backward: a row of T per head
+        per_token += a * B * h * T
+    per_block = T * per_token
     # the image (the patch conv's input) and the head (final LN in: token 0, or every token for GAP; logits)
     head_tokens = 1 if shape.config.get("pool", "token") == "token" else T
     ends = a * B * (shape.in_chans * shape.img_size**2 + head_tokens * D) + 4 * B * max(shape.num_classes, 1) * 2
     block_input = a * B * T * D
     if head_tokens == 1:  # the last block computes token 0 only: all tokens keep LN1 in/out, K and V
-        tok0 = a * B * (8 * D + 2 * M) + 4 * B * (4 + h)
-        last_block = a * B * T * 4 * D + 4 * B * T * 2 + tok0
+        last_block = a * B * T * 4 * D + 4 * B * T * 2 + per_token
     else:
         last_block = per_block
     if checkpointing:

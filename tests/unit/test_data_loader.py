@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import collections
+import io
 import itertools
+import random
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image, ImageDraw, ImageFilter
 
-from pipeline.augment import EvalTransform, TrainTransform
+from pipeline.augment import DecodeError, EvalTransform, TrainTransform, inception_crop_box
 from pipeline.config import DataCfg
 from pipeline.data import DataError, EvalLoader, TrainLoader, normalize
 from tests.unit.test_data_shards import image_bytes, label_of, write_dataset
@@ -211,11 +215,6 @@ def test_normalize_and_mix(data):
 
 def _photo(w=500, h=375, seed=0, mode="RGB", fmt="JPEG") -> bytes:
     """A smooth photo-like image (gradients + a few shapes + mild noise) encoded as fmt."""
-    import io
-
-    import numpy as np
-    from PIL import Image, ImageDraw, ImageFilter
-
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
     chans = [np.sin(xx / rng.uniform(20, 80)) * 50 + np.cos(yy / rng.uniform(20, 80)) * 40 + 128 for _ in range(3)]
@@ -231,11 +230,6 @@ def _photo(w=500, h=375, seed=0, mode="RGB", fmt="JPEG") -> bytes:
 
 def _pil_reference(data: bytes, box, size: int, flip: bool, resample) -> torch.Tensor:
     """What torchvision's RandomResizedCrop does: full Pillow decode, crop, antialiased resize."""
-    import io
-
-    import numpy as np
-    from PIL import Image
-
     im = Image.open(io.BytesIO(data)).convert("RGB").resize((size, size), resample, box=box)
     a = np.asarray(im)
     return torch.from_numpy(np.ascontiguousarray((a[:, ::-1] if flip else a).transpose(2, 0, 1)))
@@ -246,12 +240,6 @@ def _pil_reference(data: bytes, box, size: int, flip: bool, resample) -> torch.T
 def test_fast_train_decode_matches_pillow_reference(fmt, mode):
     """The DCT-scaled decode + OpenCV resize equals the full-decode Pillow pipeline up to resampling
     noise, for every crop size (a reduction by up to 8x, and enlargements)."""
-    import random
-
-    from PIL import Image
-
-    from pipeline.augment import inception_crop_box
-
     data = _photo(seed=3, mode=mode, fmt=fmt)
     tf = TrainTransform(96, (0.02, 1.0), hflip=True)
     errs = []
@@ -268,11 +256,6 @@ def test_fast_train_decode_matches_pillow_reference(fmt, mode):
 
 
 def test_fast_eval_decode_matches_pillow_reference():
-    import io
-
-    import numpy as np
-    from PIL import Image
-
     data = _photo(seed=4)
     for size, pct in ((64, 1.0), (224, 0.875), (384, 1.0)):  # reduce by ~6x, ~1.4x; enlarge
         got = EvalTransform(size, pct)(data)
@@ -288,8 +271,6 @@ def test_fast_eval_decode_matches_pillow_reference():
 
 
 def test_truncated_or_garbage_jpeg_is_a_decode_error():
-    from pipeline.augment import DecodeError
-
     data = _photo(seed=5)
     for bad in (data[: len(data) // 2], b"\xff\xd8\xff" + b"\0" * 100, b"not an image"):
         with pytest.raises(DecodeError):

@@ -9,9 +9,14 @@ Same ~500×375 JPEGs, same worker count, train transform at 224 (inception crop 
   timm_wds      timm's own WebDataset reader over the same shards + timm.data.create_loader
                 (same crop scale, flip, no colour jitter; uint8 collate, normalised in the main process)
   vitp_1w       vitp with one worker, for the scaling ratio
+  cpu_1p/cpu_Np the per-sample transform alone in 1 and in N (= --workers) plain processes, no loader:
+                what the machine itself gives for N processes of this work (context for 2w vs 1w)
 
-Each pipeline runs ``--reps`` times in an interleaved order; the best rep counts (shared machine).
-Prints ``ratio loader_vs_inmemory``, ``loader_vs_imagefolder``, ``loader_2w_vs_1w``, ``loader_vs_timm_wds``.
+Each rep runs every pipeline once, in alternating order. A ratio is the median over reps of the
+ratio within each rep, so machine-speed drift between reps (±15% on a shared VM) cancels; the
+per-rep ratios and each pipeline's best rep are printed too.
+Prints ``ratio loader_vs_inmemory``, ``loader_vs_imagefolder``, ``loader_2w_vs_1w``, ``loader_vs_timm_wds``
+and ``machine_Np_vs_1p``.
 
 Example:  python bench/loader.py --quick
 """
@@ -21,7 +26,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import multiprocessing as mp
 import os
+import statistics
 import sys
 import tarfile
 import tempfile
@@ -103,6 +110,33 @@ def _one_thread(_):
     torch.set_num_threads(1)
 
 
+class PlainProcesses:
+    """The train transform over the images in ``procs`` forked processes (an equal share each), timed
+    from a barrier to the last exit; no tar, no batching, no IPC."""
+
+    def __init__(self, samples, procs: int):
+        self.data, self.procs = [d for d, _ in samples], procs
+
+    def _work(self, k: int, barrier) -> None:
+        torch.set_num_threads(1)
+        tf = TrainTransform(SIZE, SCALE, True, None)
+        barrier.wait()
+        for i in range(k, len(self.data), self.procs):
+            tf(self.data[i], i)
+
+    def rate(self) -> float:
+        ctx = mp.get_context("fork")
+        barrier = ctx.Barrier(self.procs + 1)
+        ps = [ctx.Process(target=self._work, args=(k, barrier)) for k in range(self.procs)]
+        for p in ps:
+            p.start()
+        barrier.wait()
+        t = time.perf_counter()
+        for p in ps:
+            p.join()
+        return len(self.data) / (time.perf_counter() - t)
+
+
 def pipelines(root: Path, samples, batch: int, workers: int):
     from torchvision import datasets
     from torchvision import transforms as T
@@ -134,16 +168,24 @@ def pipelines(root: Path, samples, batch: int, workers: int):
                              persistent_workers=False)
 
     return {"vitp": vitp(workers), "inmemory": inmem, "imagefolder": folder, "timm_wds": timm_wds,
-            "vitp_1w": vitp(1)}
+            "vitp_1w": vitp(1), "cpu_1p": lambda: PlainProcesses(samples, 1),
+            f"cpu_{workers}p": lambda: PlainProcesses(samples, workers)}
 
 
 def measure(make) -> float:
-    """Images/s from the first batch to the end of one epoch (worker start-up excluded)."""
+    """Images/s from the first batch to the end of one epoch (worker start-up excluded). Every uint8
+    pipeline's batch is normalised in the main process into one reused float buffer: the step a
+    training loop runs on the device, where the caching allocator hands back the same block (a fresh
+    host buffer per batch would add ~4,700 page faults per batch to the main process's share)."""
     loader = make()
-    n, t0 = 0, None
+    if isinstance(loader, PlainProcesses):
+        return loader.rate()
+    n, t0, buf = 0, None, None
     for x, _ in loader:
         if x.dtype == torch.uint8:
-            x = normalize(x)  # the same host work for every uint8 pipeline
+            if buf is None or buf.shape != x.shape:
+                buf = torch.empty(x.shape)
+            x = normalize(x, out=buf)
         if t0 is None:
             t0 = time.perf_counter()
             continue
@@ -174,20 +216,23 @@ def main(argv=None) -> None:
         pipes = pipelines(root, samples, a.batch, a.workers)
         if a.only:
             pipes = {k: v for k, v in pipes.items() if k in a.only.split(",")}
-        best: dict[str, float] = {}
+        runs: dict[str, list[float]] = {name: [] for name in pipes}
         for rep in range(a.reps):
             names = list(pipes) if rep % 2 == 0 else list(pipes)[::-1]  # alternate order against drift
             for name in names:
-                ips = measure(pipes[name])
-                best[name] = max(best.get(name, 0.0), ips)
-                print(f"rep {rep} {name:12s} {ips:8.1f} img/s", flush=True)
-    for name, ips in best.items():
-        print(f"best {name:12s} {ips:8.1f} img/s")
+                runs[name].append(measure(pipes[name]))
+                print(f"rep {rep} {name:12s} {runs[name][-1]:8.1f} img/s", flush=True)
+    for name, ips in runs.items():
+        print(f"best {name:12s} {max(ips):8.1f} img/s")
+    w = a.workers
     for label, num, den in (("loader_vs_inmemory", "vitp", "inmemory"),
                             ("loader_vs_imagefolder", "vitp", "imagefolder"),
-                            ("loader_2w_vs_1w", "vitp", "vitp_1w"), ("loader_vs_timm_wds", "vitp", "timm_wds")):
-        if num in best and den in best:
-            print(f"ratio {label} {best[num] / best[den]:.3f}")
+                            ("loader_2w_vs_1w", "vitp", "vitp_1w"), ("loader_vs_timm_wds", "vitp", "timm_wds"),
+                            (f"machine_{w}p_vs_1p", f"cpu_{w}p", "cpu_1p")):
+        if num in runs and den in runs:
+            per_rep = [x / y for x, y in zip(runs[num], runs[den])]
+            print(f"reps {label} " + " ".join(f"{r:.3f}" for r in per_rep))
+            print(f"ratio {label} {statistics.median(per_rep):.3f}")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,29 @@ def _init_worker(_):
     torch.set_num_threads(1)  # decode/augment is per-sample; intra-op threads only fight each other
 
 
+def _as_is(x):  # collate_fn: batches are made in the workers; keep numpy arrays numpy on the way
+    return x
+
+
+def _wire(batch: tuple) -> tuple:
+    """Worker side: every tensor after the first (the image batch) as a numpy array, pickled inline
+    with the message. Each tensor sent from a worker is a shared-memory block whose descriptor the
+    main process fetches over a socket (~0.5 ms of both processes' time), so only images go that way."""
+    return tuple(x.numpy() if i and isinstance(x, torch.Tensor) else x for i, x in enumerate(batch))
+
+
+def _unwire(batch: tuple) -> tuple:
+    return tuple(torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in batch)
+
+
+def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
+    if workers <= 0:
+        return map(_unwire, ds)
+    dl = DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker, collate_fn=_as_is,
+                    pin_memory=pin_memory, persistent_workers=False)
+    return map(_unwire, dl)
+
+
 # ── Training ───────────────────────────────────────────────────────────────────────────────────────
 class _TrainEpoch(IterableDataset):
     """One epoch of one rank, from micro-batch ``start`` on; worker d serves logical stream
@@ -94,7 +117,7 @@ class _TrainEpoch(IterableDataset):
         m = p["micro_batches"]
         count = m // n + (stream < m % n)
         done = max(0, -(-(self.start - stream) // n))
-        yield from _train_stream(p, self.epoch, stream, n, count, done)
+        yield from map(_wire, _train_stream(p, self.epoch, stream, n, count, done))
 
 
 def _stream_quota_start(p, stream: int, n: int) -> int:
@@ -222,12 +245,7 @@ class TrainLoader:
     def __iter__(self):
         if self.step >= self.micro_batches_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
-        ds = _TrainEpoch(self, self.epoch, self.step)
-        if self.num_workers > 0:
-            src = DataLoader(ds, batch_size=None, num_workers=self.num_workers, worker_init_fn=_init_worker,
-                             pin_memory=self.pin_memory, persistent_workers=False)
-        else:
-            src = ds
+        src = _batches(_TrainEpoch(self, self.epoch, self.step), self.num_workers, self.pin_memory)
         for images, labels, keys, skipped in src:
             for k, v in skipped.items():
                 self.skipped[k] = self.skipped.get(k, 0) + v
@@ -296,7 +314,7 @@ class _EvalRank(IterableDataset):
 
         for b in range(b0, b1):
             real = max(0, min(B, self.hi - (self.lo + b * B)))  # fewer come if a shard is cut off
-            yield (*eval_batch(list(itertools.islice(raw, real)), self.tf, B, undecodable), counts.take())
+            yield _wire((*eval_batch(list(itertools.islice(raw, real)), self.tf, B, undecodable), counts.take()))
 
 
 class EvalLoader:
@@ -334,10 +352,7 @@ class EvalLoader:
         return self.num_batches
 
     def __iter__(self):
-        ds = _EvalRank(self)
-        workers = min(self.num_workers, self.num_batches)
-        src = ds if workers <= 0 else DataLoader(ds, batch_size=None, num_workers=workers,
-                                                 worker_init_fn=_init_worker)
+        src = _batches(_EvalRank(self), min(self.num_workers, self.num_batches))
         for images, labels, mask, keys, skipped in src:
             for k, v in skipped.items():
                 self.skipped[k] = self.skipped.get(k, 0) + v

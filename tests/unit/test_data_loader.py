@@ -129,7 +129,8 @@ def test_bad_samples_skipped_counted_and_padded(tmp_path, workers):
         total.update(ld.skipped)
     assert total["corrupt_tar"] == 1 and total["missing_cls"] == 1 and total["undecodable_image"] == 2
     for b in batches:
-        for _, y, ks in b:
+        for _, y, ks in b:  # small arrays cross from the workers as numpy; tensors again here
+            assert isinstance(y, torch.Tensor) and y.dtype == torch.int64
             assert y.tolist() == [label_of(k) for k in ks]
 
 
@@ -169,6 +170,7 @@ def test_eval_exactly_once_across_three_ranks(data, workers):
         assert len(out) == ld.num_batches
         for x, y, m, ks in out:
             assert x.shape == (2, 3, 16, 16) and x.dtype == torch.uint8
+            assert isinstance(m, torch.Tensor) and m.dtype == torch.bool and y.dtype == torch.int64
             assert (y[~m] == -1).all() and (x[~m] == 0).all()
             seen += [k for k, v in zip(ks, m.tolist()) if v]
             assert y[m].tolist() == [label_of(k) for k, v in zip(ks, m.tolist()) if v]
@@ -200,6 +202,12 @@ def test_normalize_and_mix(data):
     x = torch.tensor([0, 255], dtype=torch.uint8).view(2, 1, 1, 1).expand(2, 3, 2, 2)
     n = normalize(x)
     assert n.dtype == torch.float32 and n[0].eq(-1).all() and n[1].eq(1).all()
+    r = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
+    buf = torch.full((2, 3, 5, 7), float("nan"))
+    o = normalize(r, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), out=buf)
+    assert o.data_ptr() == buf.data_ptr() and torch.equal(o, normalize(r, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+    with pytest.raises(ValueError, match=r"out is torch.float32 \(2, 3, 5, 6\)"):
+        normalize(r, out=torch.empty(2, 3, 5, 6))
     ld = loader(replace(cfg, label_smoothing=0.1))
     _, y, _ = next(iter(ld))
     xx, t = ld.mix(torch.zeros(4, 3, 16, 16), y)

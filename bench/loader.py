@@ -199,12 +199,12 @@ def main(argv=None) -> None:
     ap.add_argument("--images", type=int, default=1536)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=None, help="default 3 (2 with --quick)")
+    ap.add_argument("--reps", type=int, default=None, help="default 5 (2 with --quick)")
     ap.add_argument("--only", default="", help="comma-separated subset of pipelines")
     a = ap.parse_args(argv)
     if a.quick:
         a.images = 384
-    a.reps = a.reps or (2 if a.quick else 3)
+    a.reps = a.reps or (2 if a.quick else 5)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -156,11 +156,18 @@ def _pax(data: bytes) -> dict[bytes, bytes]:
         sp = data.find(b" ", pos)
         if sp < 0:
             break
-        n = int(data[pos:sp])
+        n = _decimal(data[pos:sp], "pax record length")
         k, _, v = data[sp + 1:pos + n - 1].partition(b"=")
         out[k] = v
         pos += n
     return out
+
+
+def _decimal(digits: bytes, what: str) -> int:
+    try:
+        return int(digits)
+    except ValueError:
+        raise TarError(f"bad {what} {digits[:40]!r}") from None
 
 
 def iter_tar(f, seekable: bool) -> Iterator[tuple[str, int, Callable[[], bytes]]]:
@@ -190,7 +197,7 @@ def iter_tar(f, seekable: bool) -> Iterator[tuple[str, int, Callable[[], bytes]]
             continue
         name = pax.get(b"path", long_name or name)
         if b"size" in pax:
-            size = int(pax[b"size"])
+            size = _decimal(pax[b"size"], "pax size")
         long_name, pax = None, {}
         pad = -size % 512
         if typ not in (b"0", b"\0", b"7"):  # directories, links, devices: nothing to read
@@ -285,7 +292,7 @@ def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_
             out = finish()
             if out is not None:
                 yield out
-    except (TarError, OSError, EOFError, ValueError) as e:
+    except (TarError, OSError, EOFError) as e:
         bad("corrupt_tar")
         warnings.warn(f"{url}: corrupt or cut-off shard, rest skipped ({e})", stacklevel=2)
 

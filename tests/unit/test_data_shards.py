@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.shards import DataError, _Counts, _read_shard, _segments, read_info
+from pipeline.shards import DataError, TarError, _Counts, _read_shard, _segments, iter_tar, read_info
 
 
 def image_bytes(i: int, fmt: str = "jpg", size=(40, 30)) -> bytes:
@@ -127,8 +127,6 @@ def test_tar_reader_agrees_with_tarfile(tmp_path, fmt, seekable):
     """The loader's own tar parser sees the same regular files as tarfile, whatever wrote the tar:
     long names (ustar prefix, GNU ././@LongLink, pax path), unicode, directories and links skipped,
     empty and 512-multiple sizes; it is a stream reader when not seekable (remote shards)."""
-    from pipeline.shards import iter_tar
-
     members = {"a.cls": b"3", "a.jpg": bytes(range(256)) * 7, "empty.txt": b"",
                "x" * 60 + "/" + "y" * 80 + ".jpg": b"z", "dír/ünï.cls": b"1", "b.bin": b"\x01" * 1024}
     if fmt != tarfile.USTAR_FORMAT:
@@ -175,8 +173,6 @@ class _Unseekable(io.RawIOBase):
 
 
 def test_tar_reader_errors(tmp_path):
-    from pipeline.shards import TarError, iter_tar
-
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         ti = tarfile.TarInfo("a.jpg")
@@ -191,3 +187,14 @@ def test_tar_reader_errors(tmp_path):
     bad[10] ^= 0xFF
     with pytest.raises(TarError, match="checksum"):
         list(iter_tar(io.BytesIO(bytes(bad)), True))
+    # a pax record whose length is not a number: a TarError naming it, not a stray ValueError
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        ti = tarfile.TarInfo("a.jpg")
+        ti.size, ti.pax_headers = 3, {"comment": "hello"}
+        tar.addfile(ti, io.BytesIO(b"abc"))
+    data = buf.getvalue()
+    at = data.index(b" comment=hello")
+    data = data[:at - 2] + b"zz" + data[at:]
+    with pytest.raises(TarError, match="bad pax record length b'zz'"):
+        list(iter_tar(io.BytesIO(data), True))

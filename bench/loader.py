@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.augment import TrainTransform, normalize, stack  # noqa: E402
 from pipeline.config import DataCfg  # noqa: E402
-from pipeline.data import TrainLoader  # noqa: E402
+from pipeline.data import TrainLoader, _as_is  # noqa: E402  (_as_is: the loader's collate_fn)
 
 SIZE, SCALE = 224, (0.08, 1.0)
 
@@ -103,7 +103,7 @@ class InMemory(torch.utils.data.IterableDataset):
         for b in range(d, nb, n):
             chunk = self.samples[b * self.batch:(b + 1) * self.batch]
             imgs = [self.tf(data, b * 7919 + j) for j, (data, _) in enumerate(chunk)]
-            yield stack(imgs), torch.tensor([lab for _, lab in chunk])
+            yield stack(imgs), np.array([lab for _, lab in chunk])  # labels inline, as vitp sends them
 
 
 def _one_thread(_):
@@ -149,7 +149,7 @@ def pipelines(root: Path, samples, batch: int, workers: int):
 
     def inmem():
         return torch.utils.data.DataLoader(InMemory(samples, batch), batch_size=None, num_workers=workers,
-                                           worker_init_fn=_one_thread)
+                                           worker_init_fn=_one_thread, collate_fn=_as_is)
 
     def folder():
         tf = T.Compose([T.RandomResizedCrop(SIZE, scale=SCALE), T.RandomHorizontalFlip(), T.ToTensor(),

@@ -121,6 +121,20 @@ def default_backend(backend: str = "auto") -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def leave_process_group() -> None:
+    """Destroy the default process group, if any, once a rank's work is done.
+
+    A gloo rank that exits with its group alive can abort during interpreter teardown (its C++
+    worker threads are still joinable: "terminate called without an active exception", exit -6),
+    turning a finished job into a failed one. Call it where every rank ends the same way (a normal
+    return, or an error all ranks agreed on): a rank still inside a collective can make it hang.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300) -> bool:
     """Join the process group described by ``d`` within ``timeout_s`` or raise RendezvousError.
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pipeline import stopping
 
-from .distributed import DistEnv, export_env, init_process_group, rendezvous_port
+from .distributed import DistEnv, export_env, init_process_group, leave_process_group, rendezvous_port
 
 # Stages whose loop polls pipeline.stopping every step and saves collectively when asked.
 COOPERATIVE = {"pretrain", "transfer"}
@@ -192,6 +192,7 @@ class StageJob:
 
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
         result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
+        leave_process_group()  # every rank returned; what follows synchronises through files
         summary = {"stage": self.stage, "job_id": str(job_env.job_id), "world_size": d.world_size,
                    "restarts": _restarts(), **_plain(result)}
         if summary.get("status") == "stopped":

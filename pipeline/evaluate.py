@@ -341,7 +341,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import sys
 
-    from launch.distributed import rank0_print
+    from launch.distributed import leave_process_group, rank0_print
     from pipeline.config import ConfigError, DataCfg, EvalCfg
     from pipeline.transfer import load_model
 
@@ -372,6 +372,7 @@ def main(argv: list[str]) -> int:
         if text:
             rank0_print(text)
         rank0_print(f"results: {path}")
+    leave_process_group()
     return 0
 
 

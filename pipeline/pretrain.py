@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from launch.distributed import dist_env, export_env, rank0_print
+from launch.distributed import dist_env, export_env, leave_process_group, rank0_print
 from pipeline import checkpoint as ckpt_lib
 from pipeline import engine as eng_lib
 from pipeline import stopping
@@ -407,8 +407,7 @@ def stage_main(argv: list[str], command: str, description: str, fn, usage_errors
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_group()
     rank0_print(f"{command} {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
     return 0
 

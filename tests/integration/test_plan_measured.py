@@ -68,6 +68,7 @@ def _worker(stage: int, out: str) -> None:
     """One rank: baseline RSS, build the model + the pipeline's DeepSpeed engine, 2 steps, peak RSS."""
     import torch
 
+    from launch.distributed import leave_process_group
     from pipeline import engine as eng
     from pipeline.model.vit import build_vit
 
@@ -91,6 +92,7 @@ def _worker(stage: int, out: str) -> None:
         engine.step()
     peak = _rss_kb("VmHWM")
     Path(out).write_text(json.dumps({"base_kb": base, "init_kb": after_init, "peak_kb": peak}))
+    leave_process_group()  # a gloo rank exiting with its group alive can abort at teardown
 
 
 def _free_port() -> int:

@@ -160,3 +160,31 @@ def test_missing_rank_times_out_with_message():
     assert "rank 0/2: rendezvous at 127.0.0.1" in line and "waiting for the other ranks" in line
     assert "engine.dist_timeout_s" in line
     assert time.monotonic() - t0 < 60  # 2 s limit + interpreter start, nowhere near a hang
+
+
+TWO_RANKS_LEAVE = """
+import sys
+import torch
+import torch.distributed as dist
+from launch.distributed import DistEnv, init_process_group, leave_process_group
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+assert init_process_group(DistEnv(rank=rank, world_size=2, master_port=port), "gloo", timeout_s=60)
+t = torch.tensor([rank + 1.0])
+dist.all_reduce(t)
+leave_process_group()
+leave_process_group()  # no group left: a no-op
+print("SUM", float(t), "LEFT", not dist.is_initialized())
+"""
+
+
+def test_ranks_leave_the_group_and_exit_cleanly():
+    """Each rank ends with its gloo group destroyed and exits 0 (a group left alive at exit can abort)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS_LEAVE, str(r), str(port)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-2000:]
+        assert "SUM 3.0 LEFT True" in out, out[-2000:]

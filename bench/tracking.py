@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,13 +25,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from launch.local import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _start_server(state: str) -> tuple[str, dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, VITP_SERVICES_DIR=state, VITP_MLFLOW_PORT=str(port), VITP_PYTHON=sys.executable)
     subprocess.run(["bash", str(ROOT / "launch/services/mlflow.sh"), "up"], env=env, check=True,
                    stdout=subprocess.DEVNULL)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from launch.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDTH, DEPTH, HEADS, MLP, PATCH, IMG, CLASSES, MICRO = 512, 8, 8, 2048, 8, 64, 10, 8
@@ -95,15 +96,9 @@ def _worker(stage: int, out: str) -> None:
     leave_process_group()  # a gloo rank exiting with its group alive can abort at teardown
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(stage: int, tmp: Path, world: int = 2) -> list[dict]:
     """Peak RSS delta per rank (bytes) for one ZeRO stage; runs `world` processes."""
-    port = _free_port()
+    port = free_port()
     procs, outs = [], []
     for rank in range(world):
         out = tmp / f"stage{stage}_rank{rank}.json"

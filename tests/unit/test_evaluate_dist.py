@@ -1,12 +1,12 @@
 """Two gloo ranks score each val sample exactly once: the counts equal a single process's."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from launch.local import free_port
 from pipeline.config import DataCfg
 from pipeline.evaluate import evaluate_model
 from pipeline.model import build_vit
@@ -32,9 +32,7 @@ def _worker(rank, port, out):
 
 
 def test_two_ranks_equal_one(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "r.pt"
     mp.start_processes(_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
     two = torch.load(out, weights_only=True)

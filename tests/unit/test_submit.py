@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from launch.distributed import RendezvousError, init_process_group, port_free, rendezvous_port
+from launch.local import free_port
 from launch.preempt import job_dist_env
 from launch.submit import (
     SubmitError,
@@ -150,9 +151,7 @@ except RendezvousError as e:
 
 
 def test_missing_rank_times_out_with_message():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-c", RANK0_ALONE, str(port)], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
@@ -179,9 +178,7 @@ print("SUM", float(t), "LEFT", not dist.is_initialized())
 
 def test_ranks_leave_the_group_and_exit_cleanly():
     """Each rank ends with its gloo group destroyed and exits 0 (a group left alive at exit can abort)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", TWO_RANKS_LEAVE, str(r), str(port)], cwd=ROOT, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]

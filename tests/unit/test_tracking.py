@@ -1,20 +1,18 @@
 """The asynchronous MLflow tracker: batching, continuing a run, outages (spool), rank-0 only."""
 
 import json
-import socket
 import time
 import warnings
 
 import pytest
 from mlflow import MlflowClient
 
+from launch.local import free_port
 from pipeline.tracking import SPOOL, NullTracker, Tracker, loss_curve_png, start_tracking
 
 
 def dead_uri() -> str:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
 
 
 @pytest.fixture(scope="module")

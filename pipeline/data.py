@@ -95,11 +95,9 @@ def _unwire(batch: tuple) -> tuple:
 
 
 def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
-    if workers <= 0:
-        return map(_unwire, ds)
-    dl = DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker, collate_fn=_as_is,
-                    pin_memory=pin_memory, persistent_workers=False)
-    return map(_unwire, dl)
+    src = ds if workers <= 0 else DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker,
+                                             collate_fn=_as_is, pin_memory=pin_memory, persistent_workers=False)
+    return map(_unwire, src)
 
 
 # ── Training ───────────────────────────────────────────────────────────────────────────────────────

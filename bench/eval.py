@@ -1,4 +1,4 @@
-"""Evaluation throughput: `vitp eval`'s classify() over real shards through pipeline.data's EvalLoader,
+"""Evaluation throughput: `vitp eval`'s classify() over real shards through pipeline.data.loader's EvalLoader,
 against the model's raw forward on the same batches already in memory, in the same run.
 
     python bench/eval.py [--model vit_s16] [--images 256] [--img-size 224] [--batch 32] [--repeats 3]
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.prep import make_dataset  # noqa: E402
 from data_prep import prep  # noqa: E402
 from pipeline.config import DataCfg  # noqa: E402
-from pipeline.data import EvalLoader, normalize  # noqa: E402
-from pipeline.evaluate import classify  # noqa: E402
+from pipeline.data.loader import EvalLoader, normalize  # noqa: E402
+from pipeline.eval.classify import classify  # noqa: E402
 from pipeline.model import build_vit  # noqa: E402
 
 

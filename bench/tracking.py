@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from launch.local import free_port
+from pipeline.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from pipeline.model import build_vit
-    from pipeline.tracking import Tracker
+    from pipeline.train.tracking import Tracker
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

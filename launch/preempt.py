@@ -8,7 +8,7 @@ callable then
    timeout (before DeepSpeed starts, so DeepSpeed reuses it; no ssh, no hostfile);
 2. replaces submitit's signal handlers on every rank: SIGUSR2 (time limit near, preemption) and
    SIGTERM (``scancel``) only ask the stage to stop at the next step boundary
-   (:func:`pipeline.stopping.request_stop`). submitit's own handler checkpoints from rank 0 alone,
+   (:func:`pipeline.train.stopping.request_stop`). submitit's own handler checkpoints from rank 0 alone,
    but DeepSpeed's save is collective and would hang;
 3. runs the stage; when it comes back "stopped" for a requeue, every rank has saved, so rank 0
    runs ``scontrol requeue`` and all ranks exit without a result pickle (submitit's ``done()`` and
@@ -30,16 +30,16 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import stopping
+from pipeline.train import stopping
 
-from .distributed import DistEnv, export_env, init_process_group, leave_process_group, rendezvous_port
+from pipeline.distributed import DistEnv, export_env, init_process_group, leave_process_group, rendezvous_port
 
-# Stages whose loop polls pipeline.stopping every step and saves collectively when asked.
+# Stages whose loop polls pipeline.train.stopping every step and saves collectively when asked.
 COOPERATIVE = {"pretrain", "transfer"}
 STAGE_TARGETS = {
     "pretrain": "pipeline.pretrain:pretrain",
     "transfer": "pipeline.transfer:transfer",
-    "eval": "pipeline.evaluate:evaluate",
+    "eval": "pipeline.eval.classify:evaluate",
     "prep": "launch.preempt:run_prep",
 }
 

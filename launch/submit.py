@@ -105,7 +105,7 @@ def check_cluster(cfg, cluster: str) -> None:
 
 def check_data(cfg, stage: str) -> None:
     """The dataset exists, is complete, and has a shard for every (rank, loader worker)."""
-    from pipeline.synthetic import is_synthetic
+    from pipeline.data.synthetic import is_synthetic
 
     path = cfg.data.path
     if (stage == "eval" and not path) or is_synthetic(path):

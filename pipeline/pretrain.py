@@ -3,7 +3,7 @@ or a SLURM task (rank/world come from the environment).
 
 One optimizer step = ``accum`` micro batches per rank (global batch = micro x accum x world).
 Once in a while: log (console, RUN_DIR/metrics.jsonl, MLflow), evaluate on the val split, save a
-checkpoint. A stop request (pipeline.stopping: preemption, time limit) is agreed by all ranks at a
+checkpoint. A stop request (pipeline.train.stopping: preemption, time limit) is agreed by all ranks at a
 step boundary, checkpointed and returned as status "stopped". A non-finite loss stops before the
 optimizer step, saving nothing.
 """
@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from launch.distributed import dist_env, export_env, leave_process_group, rank0_print
-from pipeline import checkpoint as ckpt_lib
-from pipeline import engine as eng_lib
-from pipeline import stopping
+from pipeline.distributed import dist_env, export_env, leave_process_group, rank0_print
+from pipeline.train import checkpoint as ckpt_lib
+from pipeline.train import engine as eng_lib
+from pipeline.train import stopping
 from pipeline.config import Config, ConfigError, flatten, to_yaml, write_resolved
-from pipeline.ema import Ema
-from pipeline.schedule import lr_for
-from pipeline.tracking import loss_curve_png, start_tracking
+from pipeline.train.ema import Ema
+from pipeline.train.schedule import lr_for
+from pipeline.train.tracking import loss_curve_png, start_tracking
 
 
 @dataclass
@@ -58,14 +58,14 @@ class RunDirError(RuntimeError):
 # Pieces the loop uses
 # --------------------------------------------------------------------------------------------------
 def data_module(cfg: Config):
-    """pipeline.synthetic for ``data.path=synthetic:...``, else the shard reader pipeline.data."""
-    from pipeline import synthetic
+    """pipeline.data.synthetic for ``data.path=synthetic:...``, else the shard reader pipeline.data.loader."""
+    from pipeline.data import synthetic
 
     if synthetic.is_synthetic(cfg.data.path):
         return synthetic
     if not cfg.data.path:
         raise ConfigError("data.path: empty; give a `vitp prep` output folder (or synthetic: for a smoke run)")
-    from pipeline import data
+    from pipeline.data import loader as data
 
     return data
 
@@ -73,7 +73,7 @@ def data_module(cfg: Config):
 def num_classes_of(cfg: Config, data) -> int:
     if cfg.model.num_classes:
         return cfg.model.num_classes
-    info = data.read_info(cfg.data.path)  # a dict (synthetic) or pipeline.data.Info
+    info = data.read_info(cfg.data.path)  # a dict (synthetic) or pipeline.data.loader.Info
     get = info.get if isinstance(info, dict) else lambda k: getattr(info, k, None)
     return int(get("num_classes") or len(get("classes")))
 
@@ -161,7 +161,7 @@ def evaluate(engine, cfg: Config, data, device, dtype) -> dict:
         if batch is None:
             x = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size, dtype=torch.uint8)
             y, valid = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.bool)
-        else:  # pipeline.data pads ranks to equal batch counts and marks padding valid=False
+        else:  # pipeline.data.loader pads ranks to equal batch counts and marks padding valid=False
             x, y = batch[0], batch[1]
             valid = batch[2] if len(batch) > 2 else torch.ones(len(y), dtype=torch.bool)
         logits = engine(data.normalize(x.to(device)).to(dtype)).float()
@@ -177,7 +177,7 @@ def evaluate(engine, cfg: Config, data, device, dtype) -> dict:
 
 
 def skipped_count(loader) -> int:
-    s = getattr(loader, "skipped", 0)  # pipeline.data: reason -> count
+    s = getattr(loader, "skipped", 0)  # pipeline.data.loader: reason -> count
     return int(sum(s.values()) if isinstance(s, dict) else s)
 
 
@@ -203,7 +203,7 @@ def step_flops(model, cfg: Config, images_per_rank: int) -> float:
 def draw_figures(sd: dict, model_config: dict, images: torch.Tensor | None, out: Path) -> list[Path]:
     """The paper's figures for the final weights (attention panels over a few training images);
     a figure that fails to draw warns and never fails the run."""
-    from pipeline.inspect import write_figures
+    from pipeline.eval.figures import write_figures
     from pipeline.model import build_vit
 
     try:
@@ -288,7 +288,7 @@ def pretrain(cfg: Config, *, build_model=None, param_groups: list[dict] | None =
     window = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count over logged steps
     t_window, steps_window, saved_at, last = time.perf_counter(), 0, None, {}
     batches = loader.forever() if hasattr(loader, "forever") else iter(loader)  # across epochs
-    mix = getattr(loader, "mix", None)  # pipeline.data: mixup/cutmix/smoothing → soft targets
+    mix = getattr(loader, "mix", None)  # pipeline.data.loader: mixup/cutmix/smoothing → soft targets
     images = None  # the last batch: its first images feed the attention figures at the end
     engine.train()
     while step < cfg.train.steps:

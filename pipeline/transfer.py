@@ -53,7 +53,7 @@ def _grid(cfg: dict) -> tuple[int, int] | None:
 def read_source(path: str | Path) -> tuple[dict | None, dict | None]:
     """A transfer source -> (state dict or None for a weights file, its model config or None).
 
-    Directories are our own run / checkpoint folders (pipeline.checkpoint knows their layout);
+    Directories are our own run / checkpoint folders (pipeline.train.checkpoint knows their layout);
     files are left to `load_pretrained`, which sniffs the format and never unpickles code.
     """
     p = Path(path)
@@ -61,7 +61,7 @@ def read_source(path: str | Path) -> tuple[dict | None, dict | None]:
         raise TransferError(f"init.from: {path or '(empty)'}: no such checkpoint (give a run directory, "
                             "a checkpoint folder, or a .safetensors / .pth / .npz file)")
     if p.is_dir():
-        from pipeline.checkpoint import load_checkpoint_weights
+        from pipeline.train.checkpoint import load_checkpoint_weights
 
         try:
             sd, mcfg = load_checkpoint_weights(p)
@@ -204,7 +204,7 @@ def param_groups_layer_decay(model: ViT, lr_decay: float | None, weight_decay: f
 # --------------------------------------------------------------------------------------------------
 def source_lineage(path: str | Path) -> dict:
     """{'parent_run_id', 'parent_step', 'parent_checkpoint'} when the source is one of our run dirs."""
-    from pipeline import checkpoint as ckpt_lib
+    from pipeline.train import checkpoint as ckpt_lib
 
     p = Path(path)
     if not p.is_dir():
@@ -223,11 +223,11 @@ def transfer(cfg):
     """Fine-tune from cfg.init.from; returns pretrain's Result (final metrics also in RUN_DIR/results.json)."""
     import torch.distributed as dist
 
-    from launch.distributed import dist_env, export_env, rank0_print
-    from pipeline import engine as eng_lib
+    from pipeline.distributed import dist_env, export_env, rank0_print
+    from pipeline.train import engine as eng_lib
     from pipeline import pretrain as pt
-    from pipeline.evaluate import evaluate_model, write_results
-    from pipeline.tracking import start_tracking
+    from pipeline.eval.classify import evaluate_model, write_results
+    from pipeline.train.tracking import start_tracking
 
     d = dist_env()
     export_env(d)

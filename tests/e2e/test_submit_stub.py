@@ -2,7 +2,7 @@
 
 `train(cfg)` runs cfg.train.steps deterministic "steps" on every rank: a weight vector w ← 0.9·w +
 g(step) averaged over ranks (a real all-reduce over the process group the launcher built), rank 0
-appends {"step", "loss"} to RUN_DIR/metrics.jsonl, polls pipeline.stopping every step (any rank asking
+appends {"step", "loss"} to RUN_DIR/metrics.jsonl, polls pipeline.train.stopping every step (any rank asking
 is enough, agreed by all-reduce), saves on every rank and returns status "stopped"; it resumes from
 RUN_DIR/ckpt. The final weights go to RUN_DIR/model.json. Each step also costs a little compute time
 so a signal can land mid-run.
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline import stopping
+from pipeline.train import stopping
 
 STOP_CODES = {None: 0, "cancel": 1, "requeue": 2}
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import checkpoint as ck
+from pipeline.train import checkpoint as ck
 
 
 def test_rng_state_round_trips_through_weights_only_load(tmp_path):

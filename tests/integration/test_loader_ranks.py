@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = r"""
 import hashlib, itertools, json, sys
 from pipeline.config import DataCfg
-from pipeline.data import TrainLoader
+from pipeline.data.loader import TrainLoader
 path, resume_at = sys.argv[1], int(sys.argv[2])
 cfg = DataCfg(path=path, workers=2, shuffle_buffer=6, randaugment="rand-m9-mstd0.5")
 mk = lambda: TrainLoader(cfg, img_size=16, micro_batch=4, global_batch=8, seed=11, return_keys=True)

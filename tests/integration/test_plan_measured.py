@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.local import free_port
+from pipeline.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDTH, DEPTH, HEADS, MLP, PATCH, IMG, CLASSES, MICRO = 512, 8, 8, 2048, 8, 64, 10, 8
@@ -53,7 +53,7 @@ def _warm_up(cfg) -> None:
 
     import torch
 
-    from pipeline import engine as eng
+    from pipeline.train import engine as eng
     from pipeline.model.vit import build_vit
 
     tiny = build_vit(width=16, depth=2, heads=2, mlp_dim=32, patch=PATCH, img_size=IMG, num_classes=CLASSES)
@@ -69,8 +69,8 @@ def _worker(stage: int, out: str) -> None:
     """One rank: baseline RSS, build the model + the pipeline's DeepSpeed engine, 2 steps, peak RSS."""
     import torch
 
-    from launch.distributed import leave_process_group
-    from pipeline import engine as eng
+    from pipeline.distributed import leave_process_group
+    from pipeline.train import engine as eng
     from pipeline.model.vit import build_vit
 
     torch.manual_seed(0)
@@ -118,7 +118,7 @@ def measure(stage: int, tmp: Path, world: int = 2) -> list[dict]:
 
 
 def planned(stage: int) -> dict:
-    from pipeline.memory import ModelShape, memory_per_rank
+    from pipeline.plan.memory import ModelShape, memory_per_rank
 
     shape = ModelShape.from_dims(width=WIDTH, depth=DEPTH, heads=HEADS, mlp_dim=MLP, patch=PATCH,
                                  img_size=IMG, num_classes=CLASSES)

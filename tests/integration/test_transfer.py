@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, DataCfg, load_config
-from pipeline.evaluate import evaluate_model
+from pipeline.eval.classify import evaluate_model
 from pipeline.model import build_vit, resample_posemb, save_safetensors
 from pipeline.transfer import TransferError, build_transfer_model, load_model
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
-from pipeline.augment import DecodeError, EvalTransform, TrainTransform, inception_crop_box
+from pipeline.data.augment import DecodeError, EvalTransform, TrainTransform, inception_crop_box
 from pipeline.config import DataCfg
-from pipeline.data import DataError, EvalLoader, TrainLoader, normalize
+from pipeline.data.loader import DataError, EvalLoader, TrainLoader, normalize
 from tests.unit.test_data_shards import image_bytes, label_of, write_dataset
 
 SIZES = [3, 9, 5, 12, 11]  # 40 samples in 5 uneven shards

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.shards import DataError, TarError, _Counts, _read_shard, _segments, iter_tar, read_info
+from pipeline.data.shards import DataError, TarError, _Counts, _read_shard, _segments, iter_tar, read_info
 
 
 def image_bytes(i: int, fmt: str = "jpg", size=(40, 30)) -> bytes:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipeline.config import load_config
-from pipeline.schedule import lr_at
+from pipeline.train.schedule import lr_at
 
 TINY = "configs/pretrain/tiny_cpu.yaml"
 
@@ -15,7 +15,7 @@ def cfg_with(*overrides, world_size=2):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_config_per_stage(stage):
-    from pipeline.engine import deepspeed_config
+    from pipeline.train.engine import deepspeed_config
 
     cfg = cfg_with(f"engine.zero_stage={stage}", "train.global_batch=64", "train.micro_batch=8",
                    "optim.clip_grad=0.5")
@@ -32,7 +32,7 @@ def test_deepspeed_config_per_stage(stage):
 
 
 def test_deepspeed_config_precision_offload_and_world():
-    from pipeline.engine import deepspeed_config
+    from pipeline.train.engine import deepspeed_config
 
     cfg = cfg_with("engine.zero_stage=3", "engine.precision=bf16", "engine.offload_optimizer=true",
                    "engine.offload_params=true", "train.global_batch=128", world_size=4)
@@ -48,7 +48,7 @@ def test_deepspeed_config_precision_offload_and_world():
 
 
 def test_default_param_groups_skip_decay_on_norms_biases_embeddings():
-    from pipeline.engine import default_param_groups
+    from pipeline.train.engine import default_param_groups
     from pipeline.model import build_vit
 
     m = build_vit(width=16, depth=1, heads=2, mlp_dim=32, patch=4, img_size=8, num_classes=3)
@@ -63,8 +63,8 @@ def test_build_engine_sgd_with_layer_lr_scale(monkeypatch):
     """One process, gloo: the transfer stage's SGD + per-group lr_scale through DeepSpeed ZeRO-1."""
     import torch.distributed as dist
 
-    from launch.local import free_port
-    from pipeline import engine
+    from pipeline.distributed import free_port
+    from pipeline.train import engine
 
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
@@ -99,7 +99,7 @@ def test_lr_schedule_warmup_then_decay():
 
 
 def test_synthetic_loader_is_deterministic_resumable_and_world_size_independent():
-    from pipeline import synthetic
+    from pipeline.data import synthetic
 
     cfg = cfg_with("data.path=synthetic:classes=5,train=64", world_size=1)
     one = synthetic.TrainLoader(cfg.data, img_size=8, micro_batch=4, global_batch=8, world_size=1)
@@ -122,7 +122,7 @@ def test_synthetic_loader_is_deterministic_resumable_and_world_size_independent(
 
 
 def test_synthetic_eval_covers_each_sample_once():
-    from pipeline import synthetic
+    from pipeline.data import synthetic
 
     cfg = cfg_with("data.path=synthetic:val=10", world_size=1)
     loaders = [synthetic.EvalLoader(cfg.data, img_size=8, batch=2, rank=r, world_size=3) for r in range(3)]

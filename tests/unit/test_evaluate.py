@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.config import DataCfg, EvalCfg
-from pipeline.evaluate import classify, evaluate_model, extract_features, write_artifacts, write_results
+from pipeline.eval.classify import classify, evaluate_model, extract_features, write_artifacts, write_results
 from pipeline.model import build_vit, save_safetensors
 from pipeline.transfer import TransferError, load_model
 

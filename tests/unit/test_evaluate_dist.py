@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from launch.local import free_port
+from pipeline.distributed import free_port
 from pipeline.config import DataCfg
-from pipeline.evaluate import evaluate_model
+from pipeline.eval.classify import evaluate_model
 from pipeline.model import build_vit
 
 DATA = "synthetic:classes=3,train=30,val=21"  # 21 = an uneven split over 2 ranks

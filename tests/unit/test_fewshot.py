@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.fewshot import (
+from pipeline.eval.fewshot import (
     BIAS_CONSTANT,
     fewshot_eval,
     format_fewshot,

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.inspect import (
+from pipeline.eval.figures import (
     attention_probs,
     attention_rollout,
     mean_attention_distance,

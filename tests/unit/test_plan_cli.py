@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pipeline import plan as P
+from pipeline.plan import cost as P
 
 CFG = "configs/pretrain/{}.yaml"
 
@@ -76,7 +76,7 @@ def test_max_micro_batch_is_the_largest_that_fits():
     at = P.plan(P.load_planned(CFG.format("vit_l16"), ["hardware.device_mem_gb=40", "train.global_batch=4096"]),
                 shape=None)
     assert at["verdict"]["fits"]
-    from pipeline.memory import GiB, memory_per_rank
+    from pipeline.plan.memory import GiB, memory_per_rank
 
     shape, _ = P.model_shape(cfg)
     kw = dict(precision="bf16", zero_stage=2, world_size=128, dropout=True, accumulation=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.memory import ModelShape, activation_bytes, memory_per_rank, model_states
+from pipeline.plan.memory import ModelShape, activation_bytes, memory_per_rank, model_states
 from pipeline.model.vit import build_vit
 
 

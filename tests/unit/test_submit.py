@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from launch.distributed import RendezvousError, init_process_group, port_free, rendezvous_port
-from launch.local import free_port
+from pipeline.distributed import RendezvousError, init_process_group, port_free, rendezvous_port
+from pipeline.distributed import free_port
 from launch.preempt import job_dist_env
 from launch.submit import (
     SubmitError,
@@ -127,7 +127,7 @@ def test_job_dist_env_from_submitit_environment():
 
 
 def test_rendezvous_port_clash_is_a_clear_error():
-    from launch.distributed import DistEnv
+    from pipeline.distributed import DistEnv
 
     with socket.socket() as s:
         s.bind(("", 0))
@@ -142,7 +142,7 @@ def test_rendezvous_port_clash_is_a_clear_error():
 
 RANK0_ALONE = """
 import sys
-from launch.distributed import DistEnv, RendezvousError, init_process_group
+from pipeline.distributed import DistEnv, RendezvousError, init_process_group
 try:
     init_process_group(DistEnv(rank=0, world_size=2, master_port=int(sys.argv[1])), "gloo", timeout_s=2)
 except RendezvousError as e:
@@ -165,7 +165,7 @@ TWO_RANKS_LEAVE = """
 import sys
 import torch
 import torch.distributed as dist
-from launch.distributed import DistEnv, init_process_group, leave_process_group
+from pipeline.distributed import DistEnv, init_process_group, leave_process_group
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 assert init_process_group(DistEnv(rank=rank, world_size=2, master_port=port), "gloo", timeout_s=60)
 t = torch.tensor([rank + 1.0])

@@ -7,8 +7,8 @@ import warnings
 import pytest
 from mlflow import MlflowClient
 
-from launch.local import free_port
-from pipeline.tracking import SPOOL, NullTracker, Tracker, loss_curve_png, start_tracking
+from pipeline.distributed import free_port
+from pipeline.train.tracking import SPOOL, NullTracker, Tracker, loss_curve_png, start_tracking
 
 
 def dead_uri() -> str:

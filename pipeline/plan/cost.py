@@ -2,7 +2,7 @@
 
     vitp plan --config configs/pretrain/vit_l16.yaml cluster.nodes=4 --sweep zero=1,2,3 ckpt=on,off
 
-Memory per GPU comes from pipeline/memory.py. Time per step is the slower of compute and
+Memory per GPU comes from pipeline/plan/memory.py. Time per step is the slower of compute and
 communication, assuming DeepSpeed overlaps them fully (step = max(compute, comm)):
 - compute: `train_step_flops` (3x forward, 4x with activation checkpointing) of the rank's share of the
   global batch, at hardware.peak_tflops x hardware.assumed_mfu;
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline.memory import BYTES, GiB, ModelShape, memory_per_rank
+from pipeline.plan.memory import BYTES, GiB, ModelShape, memory_per_rank
 
 TPU_V3_CORE_TFLOPS = 61.5  # 123 TFLOP/s bf16 per TPUv3 chip, 2 cores per chip
 PAPER_TPU_CORE_DAYS = {"vit_l16": 680.0, "vit_h14": 2500.0}  # Dosovitskiy et al. 2020, Table 2, JFT-300M

@@ -1,4 +1,4 @@
-"""A deterministic in-memory image-classification set with pipeline/data.py's loader interface.
+"""A deterministic in-memory image-classification set with pipeline/data/loader.py's loader interface.
 
 ``data.path=synthetic`` (options: ``synthetic:classes=10,train=2048,val=256,noise=60``) trains
 without any files: tests, benchmarks, smoke runs. Sample ``i`` of a split is a fixed per-class
@@ -114,7 +114,7 @@ class TrainLoader:
 
 class EvalLoader:
     """Each val sample exactly once over all ranks (rank r takes i ≡ r mod world), as batches
-    ``(uint8 [B, 3, H, W], int64 [B], valid bool [B])``. Like pipeline.data, every rank yields the
+    ``(uint8 [B, 3, H, W], int64 [B], valid bool [B])``. Like pipeline.data.loader, every rank yields the
     same number of batches; padding rows have valid=False and label -1."""
 
     def __init__(self, data_cfg, *, img_size: int, batch: int, rank: int = 0, world_size: int = 1,

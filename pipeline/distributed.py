@@ -43,11 +43,6 @@ def _first_slurm_host(nodelist: str) -> str:
     return head
 
 
-def _slurm_port(job_id: str) -> int:
-    # Deterministic per job so every task agrees without talking; away from common ports.
-    return 20000 + int(job_id) % 20000
-
-
 def dist_env(environ: dict | None = None) -> DistEnv:
     """Read rank/world/master from a launcher's env vars, else SLURM's, else a single process."""
     env = os.environ if environ is None else environ
@@ -66,7 +61,8 @@ def dist_env(environ: dict | None = None) -> DistEnv:
             rank=int(env["SLURM_PROCID"]), world_size=ntasks,
             local_rank=int(env.get("SLURM_LOCALID", 0)), local_world_size=local_world,
             master_addr=env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            master_port=int(env.get("MASTER_PORT") or _slurm_port(env.get("SLURM_JOB_ID", "0"))),
+            master_port=int(env.get("MASTER_PORT") or rendezvous_port(env.get("SLURM_JOB_ID", "0"),
+                                                                       int(env.get("SLURM_RESTART_COUNT") or 0))),
             source="slurm")
     return DistEnv()
 
@@ -98,6 +94,15 @@ def rendezvous_port(job_id: str, restart: int = 0) -> int:
     so a socket of the previous attempt lingering in TIME_WAIT cannot clash."""
     digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
     return 20000 + (int(digits) * 7 + restart) % 20000
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for single-node rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def port_free(port: int, host: str = "") -> bool:

@@ -7,7 +7,7 @@ can pass its own groups (layer-wise lr decay via a per-group ``lr_scale``). The 
 by the caller every step (:func:`set_lr`), so a schedule's whole state is the step number.
 
 Checkpoint files are DeepSpeed's own (every rank writes its ZeRO partition); publishing them
-atomically is pipeline/checkpoint.py's job.
+atomically is pipeline/train/checkpoint.py's job.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from launch.local import free_port
+from pipeline.distributed import free_port
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
 
@@ -35,7 +35,7 @@ deepspeed.utils.logger.setLevel("WARNING")
 
 def backend_for(cfg) -> str:
     """"auto" → nccl on GPUs, gloo on CPU."""
-    from launch.distributed import default_backend
+    from pipeline.distributed import default_backend
 
     return default_backend(cfg.engine.backend)
 

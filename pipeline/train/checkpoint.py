@@ -129,7 +129,7 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
     manifest: JSON-able facts rank 0 records (config, model config, MLflow run id, ...).
     shared: tensors equal on every rank (e.g. EMA weights), stored once, by rank 0.
     """
-    from pipeline import engine as eng
+    from pipeline.train import engine as eng
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -168,8 +168,8 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
 def universal_for(ckpt: Path, world: int) -> Path | None:
     """If ``ckpt`` was written by a different number of ranks, convert it (rank 0) to DeepSpeed's
     universal format and return that folder; None when the world size matches."""
-    from launch.distributed import rank0_print
-    from pipeline import engine as eng
+    from pipeline.distributed import rank0_print
+    from pipeline.train import engine as eng
 
     saved = read_manifest(ckpt)["world_size"]
     if saved == world:
@@ -196,7 +196,7 @@ def resume(engine, ckpt: Path, universal: Path | None = None) -> dict:
     DeepSpeed state comes from the converted folder and every rank takes rank 0's RNG state.
     ``shared`` (e.g. EMA weights) is read from rank 0's file, where save() stores it once.
     """
-    from pipeline import engine as eng
+    from pipeline.train import engine as eng
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     src = universal or ckpt
@@ -238,7 +238,7 @@ def load_checkpoint_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Te
         if latest is None:
             raise FileNotFoundError(f"{p}: no model.safetensors and no complete checkpoint in it")
         p = latest
-    from pipeline import engine as eng
+    from pipeline.train import engine as eng
 
     return eng.fp32_state_dict(str(p)), read_manifest(p).get("model_config")
 

@@ -154,7 +154,7 @@ def buffer_bytes(shape: ModelShape, *, precision: str, zero_stage: int, world_si
     """Framework buffers per rank in bytes: gradient buckets, ZeRO-3 gathered parameters, optimizer
     temporaries, CUDA context.
 
-    Bucket sizes are elements, defaults as pipeline/engine.py sets them (stage 0 uses DeepSpeed's own
+    Bucket sizes are elements, defaults as pipeline/train/engine.py sets them (stage 0 uses DeepSpeed's own
     allreduce_bucket_size; ZeRO-3 keeps two reduce-bucket buffers). `overlap_comm` defaults as the
     engine sets it (on with CUDA) and doubles the stage 1-2 bucket. ZeRO-3 with DeepSpeed's default
     stage3_max_live_parameters / max_reuse_distance (1e9) keeps every gathered layer alive through

@@ -1,5 +1,5 @@
 """Evaluation of a ViT: top-1/top-5 on a split, per-class accuracy, confusion matrix; few-shot linear
-evaluation and a linear probe on frozen features (pipeline/fewshot.py).
+evaluation and a linear probe on frozen features (pipeline/eval/fewshot.py).
 
 Every rank reads its own part of the split (the loader hands each sample to exactly one rank), so
 the counts are summed across ranks (one all-reduce of the confusion matrix: top-1, per-class and
@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pipeline import fewshot as fs
+from pipeline.eval import fewshot as fs
 
-# images [B, C, H, W] (or uint8 for `prepare`), labels [B][, valid bool [B]: pipeline.data pads the
+# images [B, C, H, W] (or uint8 for `prepare`), labels [B][, valid bool [B]: pipeline.data.loader pads the
 # last batches of a rank with invalid rows so all ranks run the same number of batches]
 Batch = tuple[torch.Tensor, ...]
 
@@ -246,12 +246,12 @@ def fewshot_summary(res: dict[int, dict], prefix: str = "fewshot") -> dict[str, 
 # Whole evaluations over a dataset (used by `vitp eval` and by the transfer stage)
 # --------------------------------------------------------------------------------------------------
 def _data_module(path: str):
-    """pipeline.data reads shards (and dispatches `synthetic:`); synthetic works without it."""
-    from pipeline import synthetic
+    """pipeline.data.loader reads shards (and dispatches `synthetic:`); synthetic works without it."""
+    from pipeline.data import synthetic
 
     if synthetic.is_synthetic(path):
         return synthetic
-    from pipeline import data
+    from pipeline.data import loader as data
 
     return data
 
@@ -263,7 +263,7 @@ def eval_batches(data_cfg, split: str, *, img_size: int, batch: int, rank: int =
 
 
 def dataset_info(data_cfg) -> tuple[int, list[str]]:
-    """(num_classes, class names) of a prep output (pipeline.data.Info) or a synthetic spec (dict)."""
+    """(num_classes, class names) of a prep output (pipeline.data.loader.Info) or a synthetic spec (dict)."""
     info = _data_module(data_cfg.path).read_info(data_cfg.path)
     get = info.get if isinstance(info, dict) else lambda k: getattr(info, k, None)
     names = list(get("classes") or [])
@@ -341,7 +341,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import sys
 
-    from launch.distributed import leave_process_group, rank0_print
+    from pipeline.distributed import leave_process_group, rank0_print
     from pipeline.config import ConfigError, DataCfg, EvalCfg
     from pipeline.transfer import load_model
 
@@ -383,7 +383,7 @@ def _default_out(checkpoint: str) -> Path:
 
 def _init_dist_from_env() -> None:
     """Join a process group when a launcher started several ranks (gloo on CPU, nccl on GPUs)."""
-    from launch.distributed import dist_env, export_env, init_process_group
+    from pipeline.distributed import dist_env, export_env, init_process_group
 
     env = dist_env()
     if env.world_size > 1 and not dist.is_initialized():

@@ -61,7 +61,7 @@ __all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "norma
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
     if rank is None or world is None:
-        from launch.distributed import dist_env
+        from pipeline.distributed import dist_env
 
         env = dist_env()
         rank, world = (env.rank if rank is None else rank), (env.world_size if world is None else world)

@@ -41,8 +41,8 @@ from PIL import Image, ImageDraw, ImageFilter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.data.augment import TrainTransform, normalize, stack  # noqa: E402
 from pipeline.config import DataCfg  # noqa: E402
+from pipeline.data.augment import TrainTransform, normalize, stack  # noqa: E402
 from pipeline.data.loader import TrainLoader, _as_is  # noqa: E402  (_as_is: the loader's collate_fn)
 
 SIZE, SCALE = 224, (0.08, 1.0)

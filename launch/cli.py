@@ -1,8 +1,7 @@
-"""`vitp`: one command per stage. Each stage lives in its own module and is imported only when its
-command runs, so `vitp prep` starts without torch and `vitp --help` is instant.
-
-Every stage module exposes ``main(argv: list[str]) -> int`` with its own argparse (and `--help`
-with an example); this table is the only place that knows the commands.
+"""`vitp`: one command per stage. Each command's ``main(argv: list[str]) -> int`` (its argparse, with
+`--help` and an example) lives in launch/ and is imported only when the command runs, so `vitp prep`
+starts without torch and `vitp --help` is instant; the stages it calls are library functions of a
+typed config. This table is the only place that knows the commands.
 """
 
 from __future__ import annotations
@@ -17,17 +16,17 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "vitp prep ~/imagenet/train shards/ --val-fraction 0.01 --resize-shorter 256 --workers 8"),
     "verify": ("data_prep.cli:verify_main", "check every shard of a prep output",
                "vitp verify shards/"),
-    "pretrain": ("pipeline.pretrain:main", "pre-train a ViT (DeepSpeed ZeRO)",
+    "pretrain": ("launch.stages:pretrain_main", "pre-train a ViT (DeepSpeed ZeRO)",
                  "vitp pretrain --config configs/pretrain/tiny_cpu.yaml data.path=shards/ train.steps=50"),
-    "transfer": ("pipeline.transfer:main", "fine-tune at higher resolution",
+    "transfer": ("launch.stages:transfer_main", "fine-tune at higher resolution",
                  "vitp transfer --config configs/transfer/tiny_cpu.yaml init.from=runs/pre data.path=shards/"),
-    "eval": ("pipeline.eval.classify:main", "top-1, few-shot and linear-probe evaluation",
+    "eval": ("launch.stages:eval_main", "top-1, few-shot and linear-probe evaluation",
              "vitp eval --checkpoint runs/ft --data shards/ --split val"),
-    "export": ("pipeline.train.checkpoint:export_main", "export consolidated weights",
+    "export": ("launch.stages:export_main", "export consolidated weights",
                "vitp export runs/pre --format safetensors model.safetensors"),
-    "inspect": ("pipeline.eval.figures:main", "the paper's figures for a checkpoint",
+    "inspect": ("launch.stages:inspect_main", "the paper's figures for a checkpoint",
                 "vitp inspect --checkpoint runs/pre --image cat.jpg --out figs/"),
-    "plan": ("pipeline.plan.cost:main", "memory, step time and cost of a run, on paper",
+    "plan": ("launch.stages:plan_main", "memory, step time and cost of a run, on paper",
              "vitp plan --config configs/pretrain/vit_l16.yaml cluster.nodes=4 --sweep zero=1,2,3"),
     "submit": ("launch.submit:submit_main", "submit a stage to SLURM (submitit)",
                "vitp submit pretrain --config configs/pretrain/vit_l16.yaml cluster.nodes=4 data.path=/data/shards"),

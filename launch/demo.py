@@ -117,7 +117,7 @@ def run_demo(out: Path, *, data: Path | None = None, nprocs: int = 2, pretrain_s
     test_split = "test" if data is None else "val"
 
     def do_eval():
-        from pipeline.eval.classify import main as eval_main
+        from launch.stages import eval_main
 
         rc = eval_main(["--checkpoint", str(ft_dir), "--data", str(shards), "--split", test_split,
                         "--fewshot", "--out", str(out / "eval")])
@@ -128,7 +128,7 @@ def run_demo(out: Path, *, data: Path | None = None, nprocs: int = 2, pretrain_s
         return f"{test_split}_top1", res[f"eval/{test_split}/top1"]
 
     def do_figures():
-        from pipeline.eval.figures import main as inspect_main
+        from launch.stages import inspect_main
 
         # attention maps over a few held-out images (Figure 6) need inputs; any ImageFolder works
         root = out / "digits" / "images" if data is None else data

@@ -30,16 +30,23 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.distributed import (
+    DistEnv,
+    choose_accelerator,
+    export_env,
+    init_process_group,
+    leave_process_group,
+    rendezvous_port,
+)
+from pipeline.files import write_json
 from pipeline.train import stopping
-
-from pipeline.distributed import DistEnv, export_env, init_process_group, leave_process_group, rendezvous_port
 
 # Stages whose loop polls pipeline.train.stopping every step and saves collectively when asked.
 COOPERATIVE = {"pretrain", "transfer"}
 STAGE_TARGETS = {
     "pretrain": "pipeline.pretrain:pretrain",
     "transfer": "pipeline.transfer:transfer",
-    "eval": "pipeline.eval.classify:evaluate",
+    "eval": "pipeline.evaluate:evaluate",
     "prep": "launch.preempt:run_prep",
 }
 
@@ -132,9 +139,7 @@ def _append_event(folder: Path, event: dict) -> None:
 
 
 def _write_result(folder: Path, summary: dict) -> None:
-    tmp = folder / ".result.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, folder / "result.json")
+    write_json(folder / "result.json", summary)
 
 
 def resolve_target(target: str):
@@ -188,6 +193,8 @@ class StageJob:
                                                                cfg.cluster.max_requeues))
         print(f"vitp: {self.stage} rank {d.rank}/{d.world_size} local {d.local_rank}/{d.local_world_size} "
               f"master {d.master_addr}:{d.master_port} restart {_restarts()}", file=sys.stderr, flush=True)
+        # the accelerator is this node's choice (never the submitting host's DS_ACCELERATOR)
+        choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)
         init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
 
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])

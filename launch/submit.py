@@ -67,6 +67,10 @@ def slurm_parameters(cfg) -> dict:
             p[f"slurm_{key}"] = getattr(c, key)
     if c.exclusive:
         p["slurm_exclusive"] = True
+    if c.cpus_per_task > 1:
+        # Slurm 22.05-23.02: srun no longer inherits sbatch's --cpus-per-task, so every rank (and its
+        # loader workers) would share one core; SRUN_CPUS_PER_TASK restores it (ignored elsewhere).
+        p["slurm_setup"] = [f"export SRUN_CPUS_PER_TASK={c.cpus_per_task}"]
     return p
 
 
@@ -134,13 +138,16 @@ def check_data(cfg, stage: str) -> None:
 
 
 def check_stage_importable(stage: str, target: str | None) -> None:
+    """The job's entry point exists here (module and function), before anything is queued."""
     import importlib
 
-    module = (target or STAGE_TARGETS[stage]).split(":")[0]
+    module, func = (target or STAGE_TARGETS[stage]).split(":")
     try:
-        importlib.import_module(module)
+        mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
         raise SubmitError(f"stage {stage}: cannot import {module} ({e})") from None
+    if not callable(getattr(mod, func, None)):
+        raise SubmitError(f"stage {stage}: {module} has no function {func}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,11 +220,22 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
         folder = Path(job.paths.folder)
         write_resolved(cfg, folder)
         entry = {"job_id": str(job.job_id), "stage": stage, "folder": str(folder.resolve()), "executor": cluster,
-                 "run_dir": cfg.run.dir if stage != "prep" else call.kwargs.get("out", ""),
+                 "run_dir": _run_dir(stage, cfg, call),
                  "tasks": cfg.cluster.nodes * cfg.cluster.tasks_per_node, "time": time.time(), **(extra or {})}
         append_index(cfg.cluster.log_dir, entry)
         entries.append(entry)
     return entries
+
+
+def _run_dir(stage: str, cfg, call: StageJob) -> str:
+    """Where the job's results go: the run dir, prep's output folder, or eval's results folder."""
+    if stage == "prep":
+        return call.kwargs.get("out", "")
+    if stage == "eval":
+        from pipeline.evaluate import default_out
+
+        return str(cfg.eval.out or default_out(cfg.eval.checkpoint))
+    return cfg.run.dir
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
@@ -264,6 +282,17 @@ def _stage_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _eval_parser() -> argparse.ArgumentParser:
+    from .cli import parser_for
+    from .stages import add_eval_args
+
+    p = parser_for("submit", "Submit `vitp eval` (the same flags) as a job; resource overrides go under cluster.")
+    add_eval_args(p)
+    p.add_argument("overrides", nargs="*", metavar="cluster.KEY=VALUE")
+    _common_args(p)
+    return p
+
+
 def _prep_calls(args, cfg) -> tuple[list, list[StageJob]]:
     from data_prep import prep
 
@@ -299,7 +328,8 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
         print(f"error: unknown stage {stage!r}; one of {', '.join(STAGES)}", file=sys.stderr)
         return 2
     # intermixed: key=value overrides may come before or after the options
-    args = (_prep_parser() if stage == "prep" else _stage_parser()).parse_intermixed_args(rest)
+    parser = {"prep": _prep_parser, "eval": _eval_parser}.get(stage, _stage_parser)()
+    args = parser.parse_intermixed_args(rest)
     cluster = args.cluster or default_cluster()
     from pipeline.config import ConfigError
 
@@ -319,6 +349,19 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
                 print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
                 return 0
             cfgs, calls = _prep_calls(args, cfg)
+        elif stage == "eval":
+            from .stages import eval_overrides
+
+            bad = [o for o in args.overrides if not o.startswith(("cluster.", "engine.", "data."))]
+            if bad:
+                raise SubmitError(f"override {bad[0]!r}: `submit eval` takes its flags and cluster.*/engine.*/data.*")
+            cfg = load_submit_config(None, [*eval_overrides(args), *args.overrides], args.resources)
+            check_cluster(cfg, cluster)
+            check_stage_importable(stage, target)
+            if args.dry_run:
+                print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
+                return 0
+            cfgs, calls = [cfg], [StageJob(stage, _cfg_dict(cfg), target=target)]
         else:
             base = load_submit_config(args.config, args.overrides, args.resources)
             check_cluster(base, cluster)
@@ -341,7 +384,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
                 print(json.dumps(slurm_parameters(base), indent=1, sort_keys=True))
                 return 0
             calls = [StageJob(stage, _cfg_dict(c), env=e, target=target) for c, e in zip(cfgs, envs)]
-    except (ConfigError, SubmitError) as e:
+    except (ConfigError, SubmitError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     entries = submit_jobs(stage, cfgs, calls, cluster, extra)

@@ -114,6 +114,7 @@ class TrainCfg:
     loss: Literal["softmax", "sigmoid"] = "softmax"
     log_every: int = _f(10, lo=1)
     eval_every: int = _f(0, lo=0)  # 0: only at the end
+    compile: bool | None = None  # torch.compile each block; None: on GPUs, off on CPU (it does not pay there)
 
 
 @dataclass
@@ -184,6 +185,15 @@ class EvalCfg:
     fewshot_l2: float = _f(1.0, positive=True)  # ridge regulariser (the paper searches it)
     linear_probe: bool = False
     batch: int = _f(64, lo=1)
+    # the evaluation stage (`vitp eval`, `vitp submit eval`); data.path names the dataset
+    checkpoint: str | None = None  # run dir, checkpoint folder or weights file
+    split: str = "val"  # the split scored; few-shot and the probe fit on data.train_split
+    top1: bool = True  # score the model's own head
+    fewshot: bool = False
+    variant: str | None = None  # architecture of a weights file that does not say it, e.g. vit_b16
+    img_size: int | None = _f(None, lo=1)  # evaluate at this resolution (pos-emb resampled)
+    max_train_images: int | None = _f(None, lo=1)  # per rank, for few-shot / probe features
+    out: str | None = None  # results.json and artifacts; default: the run dir, else ./eval_<name>
 
 
 @dataclass
@@ -486,9 +496,6 @@ def flatten(cfg: Config) -> dict[str, Any]:
 
 def write_resolved(cfg: Config, run_dir: str | os.PathLike) -> Path:
     """Write ``config.yaml`` (the resolved config) into ``run_dir``, atomically."""
-    d = Path(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / ".config.yaml.tmp"
-    tmp.write_text(to_yaml(cfg))
-    os.replace(tmp, d / "config.yaml")
-    return d / "config.yaml"
+    from pipeline.files import atomic_write
+
+    return atomic_write(Path(run_dir) / "config.yaml", to_yaml(cfg))

@@ -1,7 +1,18 @@
-"""Rank, world and rendezvous from the environment: a launcher's (torchrun, deepspeed, vitp local)
-or SLURM's. Stages call :func:`dist_env` and never care which one started them.
+"""Rank, world, rendezvous and the accelerator, from the environment of the process that trains:
+a launcher's (torchrun, deepspeed, vitp local) or SLURM's. Stages call :func:`dist_env` and never
+care which one started them.
 
-Rank-0 side effects (printing, progress) go through :func:`rank0_print`.
+- Rank-0 side effects (printing, progress) go through :func:`rank0_print`; code asks for its place
+  in the group through :func:`rank_world` (the live group if there is one, else the environment).
+- The accelerator is decided here, on the node that trains (:func:`choose_accelerator`), never
+  inherited from the host that submitted: asking for GPUs where CUDA is not usable is a one-line
+  error, not a silent CPU run.
+- Every collective on training data goes through :func:`all_reduce`, which refuses a tensor that
+  is not on the group's device (:func:`comm_device`): NCCL would reject a CPU tensor at step 1 on
+  the cluster, gloo on a CPU test would accept it silently.
+- Rank-0-only work that others must wait for (checkpoint conversion, consolidation) is awaited with
+  :func:`wait_for_rank0`, a barrier on a side gloo group with a long timeout, so the NCCL watchdog
+  never sees a rank parked inside a collective.
 """
 
 from __future__ import annotations
@@ -118,12 +129,144 @@ def port_free(port: int, host: str = "") -> bool:
     return True
 
 
+class AcceleratorError(RuntimeError):
+    """GPUs were asked for but CUDA is not usable on this node; the message names why."""
+
+
+def _driver_cuda() -> str:
+    """'driver 535.104.05 (CUDA 12.2)' from nvidia-smi, or why it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "no NVIDIA driver found (nvidia-smi missing)"
+    drv = cuda = "?"
+    for word, nxt in zip(out.split(), out.split()[1:]):
+        if word == "Version:" and drv == "?":
+            drv = nxt
+        elif word == "Version:":
+            cuda = nxt
+    return f"driver {drv} (CUDA {cuda})" if drv != "?" else "nvidia-smi shows no GPU"
+
+
+def cuda_problem() -> str | None:
+    """None when CUDA is usable here, else one line saying why not (torch's CUDA vs the driver)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hint = f"; CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else ""
+    return (f"torch {torch.__version__} is built for CUDA {torch.version.cuda}, this node has "
+            f"{_driver_cuda()}{hint}")
+
+
+def wants_gpu(backend: str = "auto", gpus_per_node: int = 0) -> bool:
+    return backend == "nccl" or gpus_per_node > 0
+
+
+def choose_accelerator(backend: str = "auto", gpus_per_node: int = 0) -> str:
+    """'cuda' or 'cpu' for this process, decided here from what the node has and what the config
+    asks (engine.backend gloo: cpu; nccl or cluster.gpus_per_node: cuda or an error); sets DS_ACCELERATOR
+    (overwriting one inherited from a submitting host) before DeepSpeed is imported.
+
+    Raises AcceleratorError when GPUs were asked for (engine.backend nccl, cluster.gpus_per_node)
+    and CUDA is not usable: 128 ranks silently training on CPU is worse than a failed job.
+    """
+    problem = cuda_problem()
+    if problem is not None and wants_gpu(backend, gpus_per_node):
+        why = "engine.backend=nccl" if backend == "nccl" else f"cluster.gpus_per_node={gpus_per_node}"
+        raise AcceleratorError(f"{why} asks for GPUs but CUDA is not usable: {problem}")
+    # engine.backend=gloo is the CPU backend: such a recipe trains on the CPU even where GPUs are
+    kind = "cpu" if problem is not None or backend == "gloo" else "cuda"
+    os.environ["DS_ACCELERATOR"] = kind
+    return kind
+
+
 def default_backend(backend: str = "auto") -> str:
     if backend != "auto":
         return backend
+    return "gloo" if cuda_problem() is not None else "nccl"
+
+
+def local_device_index(d: DistEnv) -> int:
+    """The CUDA device of this rank among the visible ones.
+
+    With per-task binding (srun --gpus-per-task=1, --gpu-bind) each task sees only its own GPU, so
+    LOCAL_RANK is not an index into what it sees: one visible device is device 0.
+    """
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    n = torch.cuda.device_count()
+    if n == 1:
+        return 0
+    if d.local_rank < n:
+        return d.local_rank
+    raise AcceleratorError(f"rank {d.rank}: local rank {d.local_rank} but only {n} GPUs visible to this task "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+
+
+_COMM_DEVICE = None  # the device of the default group's collectives, set when the group is made
+_SIDE_GROUP = None  # gloo group with a long timeout, for waiting on rank-0-only work
+
+
+def comm_device():
+    """The device collectives of the default group run on: cuda:i under NCCL, cpu under gloo."""
+    import torch
+
+    return _COMM_DEVICE or torch.device("cpu")
+
+
+def _set_comm_device(backend: str, d: DistEnv):
+    import torch
+
+    global _COMM_DEVICE
+    if backend == "nccl":
+        idx = local_device_index(d)
+        torch.cuda.set_device(idx)  # before the group exists: NCCL binds its communicator to it
+        _COMM_DEVICE = torch.device("cuda", idx)
+    else:
+        _COMM_DEVICE = torch.device("cpu")
+    return _COMM_DEVICE
+
+
+def all_reduce(t, op: str = "sum"):
+    """In-place all-reduce of ``t`` over the default group (a no-op without one); returns ``t``.
+
+    Inside a group ``t`` must live on :func:`comm_device` — the rule NCCL enforces on GPUs, checked
+    here on every backend so that a host tensor is caught wherever the group's device is not the
+    host (tests set it to ``meta`` on CPU to play the GPU's part).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and t.device != comm_device():
+        raise RuntimeError(f"collective on a {t.device} tensor, but the group's device is {comm_device()}: "
+                           "create it on the training device (NCCL accepts no host tensors)")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+    return t
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj`` (plain tensors and values between our own ranks), in rank order."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size): of the live process group, else as the environment says."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    d = dist_env()
+    return d.rank, d.world_size
 
 
 def leave_process_group() -> None:
@@ -136,31 +279,42 @@ def leave_process_group() -> None:
     """
     import torch.distributed as dist
 
+    global _SIDE_GROUP, _COMM_DEVICE
     if dist.is_initialized():
         dist.destroy_process_group()
+    _SIDE_GROUP = _COMM_DEVICE = None
 
 
 def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300) -> bool:
     """Join the process group described by ``d`` within ``timeout_s`` or raise RendezvousError.
 
-    Done before DeepSpeed starts (DeepSpeed then reuses the group). Returns False when there is
-    nothing to join (one rank, or a group already exists).
+    Done before DeepSpeed starts (DeepSpeed then reuses the group). Under NCCL the rank's GPU is
+    set first. Also makes the side group :func:`wait_for_rank0` uses. Returns False when a group
+    already exists.
     """
     import datetime
 
     import torch.distributed as dist
 
-    if d.world_size <= 1 or dist.is_initialized():
+    global _SIDE_GROUP
+    if dist.is_initialized():
         return False
+    backend = default_backend(backend)
+    device = _set_comm_device(backend, d)
+    if d.world_size == 1:  # a group of one still needs a store; any free local port will do
+        d = DistEnv(master_port=free_port())
     where = f"{d.master_addr}:{d.master_port}"
-    if d.is_rank0 and not port_free(d.master_port):
+    if d.is_rank0 and d.world_size > 1 and not port_free(d.master_port):
         raise RendezvousError(
             f"rendezvous port {d.master_port} on {d.master_addr} is already in use; "
             f"set MASTER_PORT to a free port or resubmit")
+    kw = {"device_id": device} if backend == "nccl" else {}
     try:
         dist.init_process_group(
-            default_backend(backend), init_method=f"tcp://{where}", rank=d.rank,
-            world_size=d.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+            backend, init_method=f"tcp://{where}", rank=d.rank, world_size=d.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        if d.world_size > 1:
+            _SIDE_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=24))
     except Exception as e:  # torch raises DistStoreError/DistNetworkError/RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         who = "waiting for the other ranks" if d.is_rank0 else f"connecting to rank 0 at {where}"
@@ -168,3 +322,16 @@ def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300
             f"rank {d.rank}/{d.world_size}: rendezvous at {where} failed after {timeout_s:g}s "
             f"{who} ({first}); engine.dist_timeout_s sets the limit") from None
     return True
+
+
+def wait_for_rank0() -> None:
+    """Every rank waits here until rank 0 arrives, however long rank 0's own work takes.
+
+    A barrier on the default group would sit inside NCCL's watchdog timeout (engine.dist_timeout_s)
+    while rank 0 converts or consolidates a checkpoint; the side gloo group's timeout is a day.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    dist.barrier(group=_SIDE_GROUP)

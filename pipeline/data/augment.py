@@ -260,6 +260,20 @@ def sample_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 
+_NORM_CONSTANTS: dict = {}
+
+
+def _norm_constants(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, std) x 255 as [1, C, 1, 1] float32 on ``device``, made once per device: building them
+    per call would copy host->device (and wait for it) every step."""
+    key = (mean, std, device)
+    if key not in _NORM_CONSTANTS:
+        m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1).mul_(255.0).to(device)
+        s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1).mul_(255.0).to(device)
+        _NORM_CONSTANTS[key] = (m, s)
+    return _NORM_CONSTANTS[key]
+
+
 def normalize(images: torch.Tensor, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
               dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [B, 3, H, W] → ``dtype`` [B, 3, H, W] on the same device; the default maps to [-1, 1]
@@ -270,8 +284,7 @@ def normalize(images: torch.Tensor, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
     On the CPU a fresh float batch is ~4,700 first-touch page faults each step (glibc maps a new
     block for it while the previous batch is still alive); reusing one buffer avoids them, as the
     CUDA caching allocator does on its own. Only reuse it once the previous step's backward is done."""
-    m = torch.tensor(mean, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
-    s = torch.tensor(std, device=images.device, dtype=torch.float32).view(1, -1, 1, 1) * 255.0
+    m, s = _norm_constants(tuple(mean), tuple(std), images.device)
     if out is not None:
         if out.shape != images.shape or out.dtype != torch.float32 or out.device != images.device:
             raise ValueError(f"normalize: out is {out.dtype} {tuple(out.shape)} on {out.device}; expected "

@@ -61,10 +61,10 @@ __all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "norma
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
     if rank is None or world is None:
-        from pipeline.distributed import dist_env
+        from pipeline.distributed import rank_world
 
-        env = dist_env()
-        rank, world = (env.rank if rank is None else rank), (env.world_size if world is None else world)
+        r, w = rank_world()
+        rank, world = (r if rank is None else rank), (w if world is None else world)
     if not 0 <= rank < world:
         raise DataError(f"rank {rank} is outside world size {world}")
     return rank, world
@@ -95,27 +95,39 @@ def _unwire(batch: tuple) -> tuple:
 
 
 def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
+    """The dataset's items through ``workers`` processes (0: in this process), as tensors."""
     src = ds if workers <= 0 else DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker,
                                              collate_fn=_as_is, pin_memory=pin_memory, persistent_workers=False)
     return map(_unwire, src)
 
 
 # ── Training ───────────────────────────────────────────────────────────────────────────────────────
-class _TrainEpoch(IterableDataset):
-    """One epoch of one rank, from micro-batch ``start`` on; worker d serves logical stream
-    (start + d) % n so DataLoader's round-robin yields micro-batches in index order."""
+class _TrainRun(IterableDataset):
+    """A rank's micro-batches from (``epoch``, ``start``) on, for ``epochs`` epochs (None: without
+    end, so one DataLoader's workers serve the whole run instead of restarting every epoch).
 
-    def __init__(self, loader: TrainLoader, epoch: int, start: int):
-        self.p, self.epoch, self.start = loader._params(), epoch, start
+    DataLoader hands out an iterable dataset's items round-robin over its workers, so worker d
+    yields every n-th micro-batch of the run. Micro-batch i of an epoch belongs to logical stream
+    i % n (which fixes its samples); worker d therefore serves, in each epoch, the stream whose
+    batches fall on its turns: (start + d) % n in the first epoch, shifted by the batches yielded
+    before each later epoch began. The batches are the same whether workers persist or not.
+    """
+
+    def __init__(self, loader: TrainLoader, epoch: int, start: int, epochs: int | None = None):
+        self.p, self.epoch, self.start, self.epochs = loader._params(), epoch, start, epochs
 
     def __iter__(self):
         p = self.p
         d, n = _worker()
-        stream = (self.start + d) % n
         m = p["micro_batches"]
-        count = m // n + (stream < m % n)
-        done = max(0, -(-(self.start - stream) // n))
-        yield from map(_wire, _train_stream(p, self.epoch, stream, n, count, done))
+        before = -self.start  # batches of the run yielded before epoch e begins, minus start
+        for k in itertools.count() if self.epochs is None else range(self.epochs):
+            first = self.start if k == 0 else 0
+            stream = (first + d) % n if k == 0 else (d - before) % n
+            count = m // n + (stream < m % n)
+            done = max(0, -(-(first - stream) // n))
+            yield from map(_wire, _train_stream(p, self.epoch + k, stream, n, count, done))
+            before += m
 
 
 def _stream_quota_start(p, stream: int, n: int) -> int:
@@ -243,20 +255,27 @@ class TrainLoader:
     def __iter__(self):
         if self.step >= self.micro_batches_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
-        src = _batches(_TrainEpoch(self, self.epoch, self.step), self.num_workers, self.pin_memory)
+        yield from self._run(epochs=1)
+        if self.step >= self.micro_batches_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+
+    def forever(self):
+        """Micro-batches across epochs, without end, from one set of loader workers (their shuffle
+        buffers stay warm across epoch boundaries); the same batches as epoch after epoch of iter()."""
+        if self.step >= self.micro_batches_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        return self._run(epochs=None)
+
+    def _run(self, epochs: int | None):
+        src = _batches(_TrainRun(self, self.epoch, self.step, epochs), self.num_workers, self.pin_memory)
         for images, labels, keys, skipped in src:
+            if self.step >= self.micro_batches_per_epoch:  # the stream went on into the next epoch
+                self.epoch, self.step = self.epoch + 1, 0
             for k, v in skipped.items():
                 self.skipped[k] = self.skipped.get(k, 0) + v
             self._last = (self.epoch, self.step)
             self.step += 1
             yield (images, labels, keys) if self.return_keys else (images, labels)
-        if self.step >= self.micro_batches_per_epoch:
-            self.epoch, self.step = self.epoch + 1, 0
-
-    def forever(self):
-        """Micro-batches across epochs, without end."""
-        while True:
-            yield from self
 
     def mix(self, images: torch.Tensor, labels: torch.Tensor):
         """Normalised images [B, 3, S, S] float, labels [B] int64 (on any device) → (images, soft

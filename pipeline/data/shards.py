@@ -49,7 +49,7 @@ class Info:
         if name not in self.splits:
             raise DataError(f"{self.path}/_info.json: no split {name!r} (has: {', '.join(self.splits) or 'none'})")
         sp = self.splits[name]
-        if sp.num_samples <= 0 or not sp.urls:
+        if sp.num_samples <= 0:
             raise DataError(f"{self.path}/_info.json: split {name!r} is empty (0 samples)")
         return sp
 

@@ -16,6 +16,8 @@ import json
 
 import torch
 
+from pipeline.data.shards import Info, SplitInfo
+
 PREFIX = "synthetic:"
 _DEFAULTS = {"classes": 10, "train": 2048, "val": 256, "noise": 60}
 
@@ -35,10 +37,11 @@ def parse_spec(path: str) -> dict[str, int]:
     return spec
 
 
-def read_info(path: str) -> dict:
+def read_info(path: str) -> Info:
+    """The same description a `vitp prep` folder gives (no shard files: ``urls`` is empty)."""
     spec = parse_spec(path)
-    return {"num_classes": spec["classes"], "classes": [str(i) for i in range(spec["classes"])],
-            "splits": {"train": spec["train"], "val": spec["val"]}}
+    splits = {s: SplitInfo(s, spec[s], (), ()) for s in ("train", "val") if spec[s] > 0}
+    return Info(str(path), spec["classes"], tuple(str(i) for i in range(spec["classes"])), splits)
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:
@@ -67,14 +70,16 @@ class TrainLoader:
     """Endless micro batches ``(uint8 [micro, 3, H, W], int64 [micro])`` for this rank."""
 
     def __init__(self, data_cfg, *, img_size: int, micro_batch: int, global_batch: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0):
+                 world_size: int = 1, seed: int = 0, pin_memory: bool = False):
         self.spec = parse_spec(data_cfg.path)
         self.img_size, self.micro, self.global_batch = img_size, micro_batch, global_batch
         self.rank, self.world, self.seed = rank, world_size, seed
+        self.pin_memory = pin_memory
         self.accum = global_batch // (micro_batch * world_size)
         self.n = self.spec["train"]
         self.steps_per_epoch = max(1, self.n // global_batch)
-        self.skipped = 0  # the real loader counts undecodable samples here
+        self.skipped: dict[str, int] = {}  # the shard loader counts undecodable samples here, by reason
+        self.mix = None  # the shard loader's mixup/cutmix hook; synthetic data has none
         self._templates = _templates(self.spec["classes"], img_size)
         self._micro_done = 0  # micro batches yielded by this rank
         self._perm_epoch, self._perm = -1, None
@@ -98,15 +103,20 @@ class TrainLoader:
         while True:
             idx = self._indices(self._micro_done)
             self._micro_done += 1
-            yield _samples(idx, 0, self.spec, self.img_size, self._templates)
+            x, y = _samples(idx, 0, self.spec, self.img_size, self._templates)
+            yield (x.pin_memory(), y.pin_memory()) if self.pin_memory else (x, y)
+
+    def forever(self):
+        """Micro batches without end (the stream already crosses epochs)."""
+        return iter(self)
 
     def state_dict(self) -> dict:
         """Position in optimizer steps (world-size independent); call at a step boundary."""
-        return {"steps": self._micro_done // self.accum, "skipped": self.skipped}
+        return {"steps": self._micro_done // self.accum, "skipped": dict(self.skipped)}
 
     def load_state_dict(self, state: dict) -> None:
         self._micro_done = int(state["steps"]) * self.accum
-        self.skipped = int(state.get("skipped", 0))
+        self.skipped = dict(state.get("skipped") or {})
 
     def __repr__(self) -> str:
         return f"synthetic TrainLoader({json.dumps(self.spec)})"

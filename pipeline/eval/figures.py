@@ -21,7 +21,8 @@ import torch
 from pipeline.model import ViT
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display on a cluster node): the one setup."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,7 +119,7 @@ def _grid(n: int) -> tuple[int, int]:
 
 
 def plot_patch_filters(model: ViT, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     comps = patch_filter_components(model)
     rows, cols = _grid(len(comps))
     fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.1, rows * 1.1 + 0.6), squeeze=False)
@@ -135,7 +136,7 @@ def plot_patch_filters(model: ViT, path: Path) -> Path:
 
 
 def plot_posemb_similarity(model: ViT, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     sim = posemb_similarity(model)
     gh, gw = sim.shape[:2]
     fig, axes = plt.subplots(gh, gw, figsize=(gw * 0.6 + 1.2, gh * 0.6 + 0.8), squeeze=False)
@@ -159,7 +160,7 @@ def plot_posemb_similarity(model: ViT, path: Path) -> Path:
 
 
 def plot_attention_distance(model: ViT, dist: np.ndarray, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     depth, heads = dist.shape
     fig, ax = plt.subplots(figsize=(4.5, 3.5))
     for h in range(heads):
@@ -178,7 +179,7 @@ def plot_attention_distance(model: ViT, dist: np.ndarray, path: Path) -> Path:
 
 def plot_rollout(images: torch.Tensor, maps: np.ndarray, path: Path) -> Path:
     """images: uint8 [B, 3, H, W]; maps: [B, gh, gw] in [0, 1]."""
-    plt = _plt()
+    plt = pyplot()
     b = len(images)
     fig, axes = plt.subplots(2, b, figsize=(b * 1.6, 3.4), squeeze=False)
     for i in range(b):
@@ -230,27 +231,23 @@ def load_images(paths: list[str], size: tuple[int, int]) -> torch.Tensor:
                 im = im.convert("RGB").resize((size[1], size[0]), Image.BICUBIC)
                 out.append(torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1))
         except (OSError, ValueError) as e:
-            raise SystemExit(f"error: {p}: not a readable image ({e})") from None
+            raise ValueError(f"{p}: not a readable image ({e})") from None
     return torch.stack(out)
 
 
-def main(argv: list[str]) -> int:
-    from launch.cli import parser_for
-
-    p = parser_for("inspect", "Draw the paper's Figure 6/7 panels for a checkpoint.")
-    p.add_argument("--checkpoint", required=True,
-                   help="a run directory (pre-training/transfer), or a vitp .safetensors export")
-    p.add_argument("--image", action="append", default=[], help="an input image (repeatable)")
-    p.add_argument("--out", required=True, help="folder for the PNGs")
-    args = p.parse_args(argv)
-    from pipeline.transfer import load_model
-
-    try:
-        model = load_model(args.checkpoint)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", flush=True)
-        return 2
-    images = load_images(args.image, model.img_size) if args.image else None
-    for path in write_figures(model, args.out, images):
-        print(path)
-    return 0
+def loss_curve_png(records: list[dict], path: str | Path, key: str = "loss") -> Path | None:
+    """Plot ``key`` against step from metrics.jsonl records; None if nothing to plot."""
+    pts = [(r["step"], r[key]) for r in records if key in r]
+    if not pts:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*pts))
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_yscale("log" if all(v > 0 for _, v in pts) else "linear")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)

@@ -2,7 +2,6 @@
 
 from pipeline.model.convert import (
     jax_npz_to_vitp,
-    save_safetensors,
     timm_to_vitp,
     vitp_to_jax_npz,
     vitp_to_timm,
@@ -14,6 +13,6 @@ from pipeline.model.vit import VARIANTS, ViT, build_vit, reset_head
 
 __all__ = [
     "VARIANTS", "LoadReport", "ViT", "build_vit", "jax_npz_to_vitp", "load_pretrained",
-    "load_state_dict_into", "resample_posemb", "reset_head", "save_safetensors", "timm_to_vitp",
+    "load_state_dict_into", "resample_posemb", "reset_head", "timm_to_vitp",
     "train_step_flops", "vit_forward_flops", "vitp_to_jax_npz", "vitp_to_timm",
 ]

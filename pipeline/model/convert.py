@@ -17,15 +17,12 @@ per type (LayerNorm_0, MultiHeadDotProductAttention_0, LayerNorm_1, MlpBlock_0).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 _BLOCK_NAMES = {
     "released": ("LayerNorm_0", "MultiHeadDotProductAttention_1", "LayerNorm_2", "MlpBlock_3"),
@@ -196,18 +193,3 @@ def vitp_to_jax_npz(sd: Mapping[str, Any] | torch.nn.Module, naming: str = "rele
     if sd:
         raise ValueError(f"vitp_to_jax_npz: keys with no JAX equivalent: {sorted(sd)}")
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
-
-
-def save_safetensors(model: torch.nn.Module, path: str | Path) -> Path:
-    """Write model.state_dict() as safetensors, with model.config as JSON metadata.
-
-    The config lets a loader know the pre-training patch grid (for non-square pos-emb resampling)
-    and lets tools rebuild the model with build_vit(**config).
-    """
-    path = Path(path)
-    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    meta = {"format": "vitp"}
-    if getattr(model, "config", None) is not None:
-        meta["config"] = json.dumps(model.config)
-    save_file(sd, str(path), metadata=meta)
-    return path

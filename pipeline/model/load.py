@@ -158,7 +158,7 @@ def load_pretrained(model: torch.nn.Module, path: str | Path, *, posemb_mode: st
                     old_grid: Grid | None = None) -> LoadReport:
     """Load a checkpoint file into `model`, detecting its format from the content.
 
-    Formats: vitp safetensors (save_safetensors), timm ViT weights (.safetensors, or .pth/.bin read
+    Formats: vitp safetensors (pipeline.weights.save_weights), timm ViT weights (.safetensors, or .pth/.bin read
     with torch.load(weights_only=True)), official JAX .npz (numpy.load(allow_pickle=False)).
     """
     path = Path(path)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -100,15 +101,14 @@ class Attention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         if first_query_only:
             w, b = self.qkv.weight, self.qkv.bias
-            q = F.linear(x[:, :1], w[:D], b[:D]).view(B, 1, self.heads, self.head_dim).transpose(1, 2)
-            k, v = F.linear(x, w[D:], b[D:]).view(B, T, 2, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p).transpose(1, 2).reshape(B, 1, D)
-            return self.proj_drop(self.proj(y))
-        # [B, T, 3D] -> [3, B, heads, T, head_dim]; a view + permute, SDPA takes the strides as is.
-        q, k, v = self.qkv(x).view(B, T, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # [B, heads, T, head_dim]
-        y = y.transpose(1, 2).reshape(B, T, D)
-        return self.proj_drop(self.proj(y))
+            q = rearrange(F.linear(x[:, :1], w[:D], b[:D]), "b t (h d) -> b h t d", h=self.heads)
+            k, v = rearrange(F.linear(x, w[D:], b[D:]), "b t (kv h d) -> kv b h t d", kv=2, h=self.heads)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            return self.proj_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))
+        # a view + permute (no copy): SDPA takes the strides as they are
+        q, k, v = rearrange(self.qkv(x), "b t (qkv h d) -> qkv b h t d", qkv=3, h=self.heads)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        return self.proj_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))
 
 
 class Mlp(nn.Module):
@@ -160,7 +160,7 @@ class PatchEmbed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backbone is not None:
             x = self.backbone(x)
-        return self.proj(x).flatten(2).transpose(1, 2)
+        return rearrange(self.proj(x), "b d gh gw -> b (gh gw) d")  # patches in row-major order
 
 
 class ViT(nn.Module):

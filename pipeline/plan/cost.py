@@ -17,10 +17,9 @@ Cost is given in GPU-hours and in the paper's unit, TPUv3-core-days, at the same
 from __future__ import annotations
 
 import itertools
-import json
-import sys
 from pathlib import Path
 
+from pipeline.data.synthetic import is_synthetic
 from pipeline.plan.memory import BYTES, GiB, ModelShape, memory_per_rank
 
 TPU_V3_CORE_TFLOPS = 61.5  # 123 TFLOP/s bf16 per TPUv3 chip, 2 cores per chip
@@ -35,14 +34,16 @@ class PlanError(ValueError):
     """Impossible planning input; the message is one line."""
 
 
-def _data_info(cfg) -> dict:
-    if not cfg.data.path:
-        return {}
-    p = Path(cfg.data.path) / "_info.json"
+def _data_info(cfg):
+    """The dataset's Info when data.path names one, else None (planning works without data)."""
+    from pipeline.data import DataError, read_info
+
+    if not cfg.data.path or not (is_synthetic(cfg.data.path) or (Path(cfg.data.path) / "_info.json").is_file()):
+        return None
     try:
-        return json.loads(p.read_text()) if p.is_file() else {}
-    except (OSError, ValueError) as e:
-        raise PlanError(f"{p}: unreadable ({e})") from None
+        return read_info(cfg.data.path)
+    except DataError as e:
+        raise PlanError(str(e)) from None
 
 
 def model_shape(cfg, num_classes: int | None = None) -> tuple[ModelShape, str]:
@@ -61,8 +62,8 @@ def model_shape(cfg, num_classes: int | None = None) -> tuple[ModelShape, str]:
         k, src = m.num_classes, "model.num_classes"
     if k is None:
         info = _data_info(cfg)
-        if info.get("num_classes"):
-            k, src = int(info["num_classes"]), f"{cfg.data.path}/_info.json"
+        if info is not None:
+            k, src = info.num_classes, f"{cfg.data.path}/_info.json"
     if k is None:
         k, src = DEFAULT_CLASSES, "assumed JFT-300M (set model.num_classes)"
     shape = ModelShape.from_dims(**dims, img_size=m.img_size, num_classes=k, pool=m.pool,
@@ -75,9 +76,10 @@ def dataset_size(cfg, override: int | None) -> tuple[int, str]:
         if override < 1:
             raise PlanError(f"--dataset-size: must be >= 1; got {override}")
         return override, "--dataset-size"
-    split = _data_info(cfg).get("splits", {}).get(cfg.data.train_split, {})
-    if split.get("num_samples"):
-        return int(split["num_samples"]), f"{cfg.data.path}/_info.json"
+    info = _data_info(cfg)
+    split = info.splits.get(cfg.data.train_split) if info is not None else None
+    if split is not None and split.num_samples:
+        return split.num_samples, f"{cfg.data.path}/_info.json"
     return DEFAULT_DATASET, "assumed JFT-300M"
 
 
@@ -104,7 +106,10 @@ def step_time(cfg, shape: ModelShape) -> dict:
     n = c.nodes * c.tasks_per_node
     per_rank = t.global_batch // n
     accum = per_rank // t.micro_batch
+    # time counts what the GPU executes (checkpointing runs the forward again); model FLOPs (MFU,
+    # total work, TPUv3-core-days) count the model's work once: recomputation is a cost in time
     flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=cfg.model.grad_checkpointing)
+    model_flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=False)
     compute = flops_rank / (hw.peak_tflops * 1e12 * hw.assumed_mfu)
     w = BYTES[e.precision]
     G = shape.params * w  # one full copy of the gradients (or parameters) in the model dtype
@@ -118,6 +123,8 @@ def step_time(cfg, shape: ModelShape) -> dict:
     bw = (hw.inter_node_gbps if c.nodes > 1 else hw.intra_node_gbps) * 1e9
     comm = volume / bw
     return {"flops_per_rank": flops_rank, "flops_per_step": flops_rank * n, "compute_s": compute,
+            "model_flops_per_rank": model_flops_rank, "model_flops_per_step": model_flops_rank * n,
+            "recompute_flops_per_rank": flops_rank - model_flops_rank,
             "comm_bytes": volume, "comm_s": comm, "step_s": max(compute, comm),
             "bound": "compute" if compute >= comm else "communication", "accumulation": accum,
             "link": "inter-node" if c.nodes > 1 else "intra-node", "link_gbps": bw / 1e9}
@@ -150,7 +157,7 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
     ds_n, ds_src = dataset_size(cfg, dataset)
     imgs_job = t.global_batch / st["step_s"]
     total_s = t.steps * st["step_s"]
-    total_flops = st["flops_per_step"] * t.steps
+    total_flops = st["model_flops_per_step"] * t.steps
     tpu_days = total_flops / (TPU_V3_CORE_TFLOPS * 1e12 * hw.assumed_mfu) / 86400
     paper = PAPER_TPU_CORE_DAYS.get(m.name) if m.img_size == 224 else None
     return {
@@ -271,7 +278,9 @@ def format_report(p: dict) -> str:
           f" (largest dividing the per-rank batch {s['global_batch'] // s['world_size']}: "
           f"{v['max_valid_micro_batch']})",
           "", "== step time and throughput (assumes communication overlaps compute: step = max of the two)",
-          f"   compute {t['flops_per_rank'] / 1e12:.1f} TFLOP per rank per step -> {_dur(t['compute_s'])}",
+          f"   compute {t['flops_per_rank'] / 1e12:.1f} TFLOP per rank per step"
+          + (f" ({t['recompute_flops_per_rank'] / 1e12:.1f} of them recomputed forwards)"
+             if t["recompute_flops_per_rank"] else "") + f" -> {_dur(t['compute_s'])}",
           f"   communication {t['comm_bytes'] / 1e9:.2f} GB per rank per step over {t['link']} "
           f"{t['link_gbps']:.0f} GB/s -> {_dur(t['comm_s'])}",
           f"   step {_dur(t['step_s'])} ({t['bound']}-bound); {th['images_per_s_per_gpu']:.0f} images/s per GPU, "
@@ -279,7 +288,7 @@ def format_report(p: dict) -> str:
           "", "== cost",
           f"   epoch of {th['dataset_size']:,} images ({th['dataset_source']}): {_dur(th['epoch_s'])}",
           f"   whole schedule ({th['epochs']:.1f} epochs): {_dur(c['total_s'])}, {c['gpu_hours']:,.0f} GPU-hours, "
-          f"{c['total_flops'] / 1e21:.2f} ZFLOP",
+          f"{c['total_flops'] / 1e21:.2f} ZFLOP of model work",
           "", "== comparison with the paper (TPUv3 core at 61.5 TFLOP/s bf16, same MFU)",
           f"   this plan: {c['tpuv3_core_days']:,.0f} TPUv3-core-days"]
     if c["paper_tpuv3_core_days"]:
@@ -303,42 +312,3 @@ def format_sweep(rows: list[dict]) -> str:
         L.append(f"{cells}{r['gib']:10.1f}{'yes' if r['fits'] else 'NO':>6}{r['max_mb']:8d}{r['step_s']:9.3f}"
                  f"{r['img_s']:10.0f}{r['gpu_hours']:10.0f}  {r['bound']}")
     return "\n".join(L)
-
-
-def main(argv: list[str]) -> int:
-    from launch.cli import add_config_args, parser_for
-    from pipeline.config import ConfigError
-
-    p = parser_for("plan", "Memory per GPU, step time, throughput and cost of a pre-training run, on paper.")
-    add_config_args(p)
-    p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
-                   help=f"a table over options; keys: {', '.join(SWEEP_KEYS)} (ckpt/offload take on,off)")
-    p.add_argument("--dataset-size", type=int, default=None,
-                   help="images per epoch (default: data.path's _info.json, else JFT-300M's 300M)")
-    p.add_argument("--num-classes", type=int, default=None,
-                   help="head size when model.num_classes is 0 (default: _info.json, else JFT's 18291)")
-    p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda",
-                   help="cuda: GPUs (default); cpu: DeepSpeed on CPU over gloo (touched pages, no CUDA context)")
-    p.add_argument("--headroom", type=float, default=0.0,
-                   help="fraction of device memory kept free for fragmentation (e.g. 0.1)")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    args = p.parse_args(argv)
-    kw = dict(dataset=args.dataset_size, num_classes=args.num_classes, backend=args.backend,
-              headroom=args.headroom)
-    try:
-        if not 0 <= args.headroom < 1:
-            raise PlanError(f"--headroom: must be in [0, 1); got {args.headroom}")
-        cfg = load_planned(args.config, args.overrides)
-        result = plan(cfg, **kw)
-        rows = sweep(args.config, args.overrides, parse_sweep(args.sweep), **kw) if args.sweep else None
-    except (ConfigError, PlanError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps({**result, "sweep": rows}, indent=1, default=float))
-        return 0
-    print(format_report(result))
-    if rows is not None:
-        print("\n== sweep (NO: does not fit in device memory)")
-        print(format_sweep(rows))
-    return 0

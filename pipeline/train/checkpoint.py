@@ -31,6 +31,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeline.distributed import rank0_print, rank_world, wait_for_rank0
+from pipeline.files import atomic_write, replacing
+
 MANIFEST = "manifest.json"
 _PREFIX, _TMP = "step-", "tmp-step-"
 
@@ -62,15 +65,6 @@ def read_manifest(ckpt: str | os.PathLike) -> dict:
     return json.loads((Path(ckpt) / MANIFEST).read_text())
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------------------------------
 # Test-only fault injection, read in this one place
 # --------------------------------------------------------------------------------------------------
@@ -82,7 +76,7 @@ def maybe_fault(event: str, step: int) -> None:
     at = os.environ.get(var)
     if at is None or int(at) != step:
         return
-    if int(os.environ.get("RANK", 0)) == int(os.environ.get("VITP_TEST_KILL_RANK", 1)):
+    if rank_world()[0] == int(os.environ.get("VITP_TEST_KILL_RANK", 1)):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -123,16 +117,16 @@ def _barrier() -> None:
 
 
 def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, manifest: dict,
-         keep: int, shared: dict[str, torch.Tensor] | None = None) -> Path:
+         keep: int, shared: dict[str, torch.Tensor] | None = None, train_state: dict | None = None) -> Path:
     """Write checkpoint ``step`` on every rank, then publish it atomically; keep the newest ``keep``.
 
     manifest: JSON-able facts rank 0 records (config, model config, MLflow run id, ...).
     shared: tensors equal on every rank (e.g. EMA weights), stored once, by rank 0.
+    train_state: JSON-able per-rank loop state (e.g. the log window's partial sums).
     """
     from pipeline.train import engine as eng
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = rank_world()
     r = root(run_dir)
     tmp, final = r / f"{_TMP}{step:08d}", r / tag_for(step)
     if rank == 0:
@@ -144,31 +138,29 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
     _barrier()
     eng.save_checkpoint(engine, str(r), tmp.name)
     extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_state(),
-              "loader": json.dumps(loader_state)}
+              "loader": json.dumps(loader_state), "train": json.dumps(train_state or {})}
     if shared and rank == 0:
         extras["shared"] = shared
-    part = tmp / f".vitp_rank{rank}.pt.tmp"
-    torch.save(extras, part)
-    os.replace(part, tmp / f"vitp_rank{rank}.pt")
+    with replacing(tmp / f"vitp_rank{rank}.pt") as part:
+        torch.save(extras, part)
     maybe_fault("save", step)
     _barrier()  # every rank's files are on disk
     if rank == 0:
         doc = dict(manifest, step=step, world_size=world, saved_at=time.time(),
                    files=sorted(p.name for p in tmp.iterdir()))
-        _atomic_write(tmp / MANIFEST, json.dumps(doc, indent=1))
+        atomic_write(tmp / MANIFEST, json.dumps(doc, indent=1), fsync=True)
         os.replace(tmp, final)
-        _atomic_write(r / "LATEST", final.name + "\n")
+        atomic_write(r / "LATEST", final.name + "\n", fsync=True)
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
-    _barrier()
+    wait_for_rank0()  # deleting old checkpoints can outlast a collective's timeout
     return final
 
 
 def universal_for(ckpt: Path, world: int) -> Path | None:
     """If ``ckpt`` was written by a different number of ranks, convert it (rank 0) to DeepSpeed's
     universal format and return that folder; None when the world size matches."""
-    from pipeline.distributed import rank0_print
     from pipeline.train import engine as eng
 
     saved = read_manifest(ckpt)["world_size"]
@@ -178,27 +170,26 @@ def universal_for(ckpt: Path, world: int) -> Path | None:
         raise RuntimeError(f"{ckpt}: written by {saved} ranks without ZeRO; resume it on {saved} ranks "
                            f"(universal conversion needs engine.zero_stage >= 1)")
     out = ckpt.with_name(ckpt.name + ".universal")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0 and not (out / "done").is_file():
+    if rank_world()[0] == 0 and not (out / "done").is_file():
         rank0_print(f"checkpoint {ckpt.name} was written by {saved} ranks, resuming on {world}: converting "
                     f"it to a universal checkpoint (deepspeed.checkpoint.ds_to_universal) in {out.name}")
         shutil.rmtree(out, ignore_errors=True)
         eng.to_universal(str(ckpt), str(out))
         (out / "done").write_text("ok\n")
-    _barrier()
+    wait_for_rank0()  # the conversion takes minutes for a large model: longer than NCCL would wait
     return out
 
 
 def resume(engine, ckpt: Path, universal: Path | None = None) -> dict:
     """Load model + optimizer (DeepSpeed), this rank's RNG and loader state from ``ckpt``.
 
-    Returns {"step", "loader", "manifest", "shared"}. With ``universal`` (a world-size change) the
+    Returns {"step", "loader", "train", "manifest", "shared"}. With ``universal`` (a world-size change) the
     DeepSpeed state comes from the converted folder and every rank takes rank 0's RNG state.
     ``shared`` (e.g. EMA weights) is read from rank 0's file, where save() stores it once.
     """
     from pipeline.train import engine as eng
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = rank_world()[0]
     src = universal or ckpt
     eng.load_checkpoint(engine, str(src.parent), src.name)
     mine, first = ckpt / f"vitp_rank{rank}.pt", ckpt / "vitp_rank0.pt"
@@ -206,81 +197,7 @@ def resume(engine, ckpt: Path, universal: Path | None = None) -> dict:
     extras = torch.load(src_file, map_location="cpu", weights_only=True)
     set_rng_state(extras["rng"])
     rank0 = extras if src_file == first else torch.load(first, map_location="cpu", weights_only=True)
-    return {"step": int(extras["step"]), "loader": json.loads(extras["loader"]), "manifest": read_manifest(ckpt),
+    return {"step": int(extras["step"]), "loader": json.loads(extras["loader"]),
+            "train": json.loads(extras.get("train") or "{}") if universal is None else {},
+            "manifest": read_manifest(ckpt),
             "shared": rank0.get("shared") or {}}
-
-
-# --------------------------------------------------------------------------------------------------
-# Weights for other stages and export (no DeepSpeed engine needed)
-# --------------------------------------------------------------------------------------------------
-def _read_safetensors(path: Path) -> tuple[dict, dict | None]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        sd = {k: f.get_tensor(k) for k in f.keys()}
-    return sd, json.loads(meta["config"]) if "config" in meta else None
-
-
-def load_checkpoint_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """Consolidated fp32 weights + model config (build_vit kwargs) from a pre-training output.
-
-    path: a run dir (its model.safetensors, else its newest checkpoint), a ``step-*`` checkpoint
-    folder (any ZeRO stage) or a vitp .safetensors file.
-    """
-    p = Path(path)
-    if p.is_file():
-        return _read_safetensors(p)
-    if (p / "model.safetensors").is_file():
-        return _read_safetensors(p / "model.safetensors")
-    if not (p / MANIFEST).is_file():
-        latest = latest_checkpoint(p)
-        if latest is None:
-            raise FileNotFoundError(f"{p}: no model.safetensors and no complete checkpoint in it")
-        p = latest
-    from pipeline.train import engine as eng
-
-    return eng.fp32_state_dict(str(p)), read_manifest(p).get("model_config")
-
-
-def save_weights(sd: dict[str, torch.Tensor], model_config: dict | None, path: str | os.PathLike,
-                 *, fmt: str = "vitp") -> Path:
-    """fp32 state dict → safetensors; fmt "vitp" adds the metadata pipeline.model.load_pretrained reads."""
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    meta = {"format": fmt if fmt == "vitp" else "pt"}
-    if model_config is not None:
-        meta["config"] = json.dumps(model_config)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file({k: v.detach().cpu().float().contiguous() for k, v in sd.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    return path
-
-
-def export_main(argv: list[str]) -> int:
-    from launch.cli import parser_for
-
-    p = parser_for("export", "export consolidated fp32 weights of a run or checkpoint (any ZeRO stage)")
-    p.add_argument("checkpoint", help="a run dir, a checkpoints/step-* folder or a .safetensors file")
-    p.add_argument("--format", choices=["safetensors", "timm"], default="safetensors",
-                   help="vitp names (safetensors) or timm VisionTransformer names (timm, also safetensors)")
-    p.add_argument("out", help="output file, e.g. model.safetensors")
-    args = p.parse_args(argv)
-    try:
-        sd, model_config = load_checkpoint_weights(args.checkpoint)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}")
-        return 2
-    if args.format == "timm":
-        from pipeline.model.convert import vitp_to_timm
-
-        try:
-            sd, model_config = vitp_to_timm(sd), None
-        except ValueError as e:  # e.g. the paper's pre-logits layer, which timm's ViT lacks
-            print(f"error: {args.checkpoint}: cannot export as timm: {e}")
-            return 2
-    save_weights(sd, model_config, args.out, fmt="vitp" if args.format == "safetensors" else "pt")
-    n = sum(v.numel() for v in sd.values())
-    print(f"wrote {args.out}: {len(sd)} tensors, {n / 1e6:.2f}M parameters ({args.format})")
-    return 0

@@ -17,45 +17,39 @@ import contextlib
 import glob
 import io
 import os
-from datetime import timedelta
+import re
 
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed import free_port
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+def _deepspeed():
+    """DeepSpeed, imported only once this process needs it.
 
-import deepspeed  # noqa: E402  (after DS_ACCELERATOR: DeepSpeed picks its accelerator at import)
-from deepspeed.checkpoint import constants as ds_constants  # noqa: E402
-
-# DeepSpeed logs every checkpoint file at INFO; keep the console to our own lines.
-deepspeed.utils.logger.setLevel("WARNING")
-
-
-def backend_for(cfg) -> str:
-    """"auto" → nccl on GPUs, gloo on CPU."""
-    from pipeline.distributed import default_backend
-
-    return default_backend(cfg.engine.backend)
-
-
-def init_distributed(cfg) -> None:
-    """Join the process group (rank/world/master from the environment; idempotent).
-
-    A single process with no launcher still gets a 1-rank group: DeepSpeed needs one.
+    DeepSpeed picks its accelerator when it is first imported, from DS_ACCELERATOR: importing it at
+    module level would fix the accelerator wherever a stage module is merely imported (the login
+    node that submits), and sbatch would carry that choice to the GPU nodes. The stage decides it on
+    the node (:func:`init_distributed`) before the first import here.
     """
-    if dist.is_initialized():
-        return
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend=backend_for(cfg), auto_mpi_discovery=False,
-                               timeout=timedelta(seconds=cfg.engine.dist_timeout_s))
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel("WARNING")  # it logs every checkpoint file at INFO
+    return deepspeed
+
+
+def init_distributed(cfg) -> str:
+    """Decide the accelerator on this node, join the process group; returns 'cuda' or 'cpu'.
+
+    Rank/world/master come from the environment; a single process gets a 1-rank group (DeepSpeed
+    needs one). Idempotent.
+    """
+    from pipeline.distributed import choose_accelerator, dist_env, export_env, init_process_group
+
+    kind = choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)
+    d = dist_env()
+    export_env(d)
+    init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
+    return kind
 
 
 def grad_accumulation(cfg, world_size: int) -> int:
@@ -109,6 +103,52 @@ def default_param_groups(model: torch.nn.Module, weight_decay: float) -> list[di
     return [g for g in groups if g["params"]]
 
 
+def param_groups_layer_decay(model: torch.nn.Module, lr_decay: float | None, weight_decay: float = 0.0) -> list[dict]:
+    """Layer-wise lr decay (BEiT / DeiT III): block i gets lr_scale = decay^(depth - i).
+
+    Patch embedding, class token and pos-emb count as layer 0 (scale decay^(depth + 1)), the final
+    norm / pre-logits / head as layer depth + 1 (scale 1). lr_decay None: one group, scale 1.
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if lr_decay is None:
+        return [{"params": [p for _, p in params], "weight_decay": weight_decay, "lr_scale": 1.0}]
+    depth = len(model.blocks)
+    groups: dict[int, dict] = {}
+    for name, p in params:
+        m = re.match(r"blocks\.(\d+)\.", name)
+        if m:
+            layer = int(m.group(1)) + 1
+        elif name.startswith(("patch_embed.", "cls_token", "pos_embed")):
+            layer = 0
+        else:
+            layer = depth + 1
+        g = groups.setdefault(layer, {"params": [], "weight_decay": weight_decay,
+                                      "lr_scale": lr_decay ** (depth + 1 - layer)})
+        g["params"].append(p)
+    return [groups[k] for k in sorted(groups)]
+
+
+def compile_blocks(model: torch.nn.Module, cfg) -> int:
+    """torch.compile each transformer block in place (train.compile; None: on GPUs only); returns
+    how many. Per block, not the whole model: one graph reused depth times compiles fast, and
+    DeepSpeed's hooks and activation checkpointing stay outside the compiled regions."""
+    from pipeline.distributed import comm_device
+
+    want = cfg.train.compile if cfg.train.compile is not None else comm_device().type == "cuda"
+    blocks = list(getattr(model, "blocks", []))
+    if not want or not blocks:
+        return 0
+    if cfg.engine.zero_stage == 3:
+        import warnings
+
+        warnings.warn("train.compile: skipped under ZeRO-3 (its parameter hooks break the block graphs)",
+                      stacklevel=2)
+        return 0
+    for blk in blocks:
+        blk.compile()
+    return len(blocks)
+
+
 def make_optimizer(param_groups: list[dict], cfg) -> torch.optim.Optimizer:
     o = cfg.optim
     if o.name == "sgd":
@@ -128,9 +168,10 @@ def build_engine(model: torch.nn.Module, cfg, param_groups: list[dict] | None = 
     init_distributed(cfg)
     if cfg.model.grad_checkpointing and hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)
+    compile_blocks(model, cfg)
     groups = param_groups if param_groups is not None else default_param_groups(model, cfg.optim.weight_decay)
     ds_cfg = deepspeed_config(cfg, dist.get_world_size(), load_universal=load_universal)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(groups, cfg),
+    engine, _, _, _ = _deepspeed().initialize(model=model, optimizer=make_optimizer(groups, cfg),
                                            config=ds_cfg, dist_init_required=False)
     return engine
 
@@ -155,6 +196,8 @@ def input_dtype(cfg) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------
 def save_checkpoint(engine, save_dir: str, tag: str, client_state: dict | None = None) -> None:
     """Collective: every rank writes its part of ``save_dir/tag``. No `latest` file is written."""
+    from deepspeed.checkpoint import constants as ds_constants
+
     state = dict(client_state or {})
     # lets deepspeed.checkpoint.ds_to_universal convert it later (world-size changes)
     state[ds_constants.UNIVERSAL_CHECKPOINT_INFO] = {

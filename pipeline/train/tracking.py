@@ -285,25 +285,3 @@ def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: in
                    spool_dir=run_dir, run_id=run_id, run_key=run_key, params=params, tags=tags,
                    flush_every_s=cfg.tracking.flush_every_s,
                    artifact_location=(run_dir.resolve() / "mlartifacts").as_uri() if local else None)
-
-
-def loss_curve_png(records: list[dict], path: str | os.PathLike, key: str = "loss") -> Path | None:
-    """Plot ``key`` against step from metrics.jsonl records (matplotlib Agg); None if nothing to plot."""
-    pts = [(r["step"], r[key]) for r in records if key in r]
-    if not pts:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(*zip(*pts))
-    ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_yscale("log" if all(v > 0 for _, v in pts) else "linear")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return Path(path)

@@ -38,7 +38,7 @@ def test_only_published_checkpoints_count(tmp_path):
 
 def test_run_dir_guard(tmp_path):
     from pipeline.config import load_config, write_resolved
-    from pipeline.pretrain import RunDirError, prepare_run_dir
+    from pipeline.train.loop import RunDirError, prepare_run_dir
 
     cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic", f"run.dir={tmp_path}"],
                       world_size=1)
@@ -52,7 +52,7 @@ def test_run_dir_guard(tmp_path):
 
 
 def test_metrics_file_drops_records_past_the_resumed_step(tmp_path):
-    from pipeline.pretrain import keep_metrics_up_to
+    from pipeline.train.loop import keep_metrics_up_to
 
     p = tmp_path / "metrics.jsonl"
     p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))

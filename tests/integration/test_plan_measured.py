@@ -53,8 +53,8 @@ def _warm_up(cfg) -> None:
 
     import torch
 
-    from pipeline.train import engine as eng
     from pipeline.model.vit import build_vit
+    from pipeline.train import engine as eng
 
     tiny = build_vit(width=16, depth=2, heads=2, mlp_dim=32, patch=PATCH, img_size=IMG, num_classes=CLASSES)
     e = eng.build_engine(tiny, cfg)
@@ -70,8 +70,8 @@ def _worker(stage: int, out: str) -> None:
     import torch
 
     from pipeline.distributed import leave_process_group
-    from pipeline.train import engine as eng
     from pipeline.model.vit import build_vit
+    from pipeline.train import engine as eng
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

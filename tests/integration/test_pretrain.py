@@ -182,8 +182,9 @@ def losses_or_empty(run_dir) -> dict:
 @pytest.mark.parametrize("stage", [2, 3])
 def test_consolidated_weights_and_export(reference, tmp_path, stage):
     """model.safetensors == the fp32 weights joined from the ZeRO files; timm export renames only."""
-    from pipeline.train.checkpoint import export_main, load_checkpoint_weights
+    from launch.stages import export_main
     from pipeline.model import build_vit, vitp_to_timm
+    from pipeline.weights import load_checkpoint_weights
 
     d = reference(stage)
     from_ckpt, cfg = load_checkpoint_weights(d / "checkpoints/step-00000006")

@@ -15,8 +15,11 @@ import torch
 
 from pipeline.config import ConfigError, DataCfg, load_config
 from pipeline.eval.classify import evaluate_model
-from pipeline.model import build_vit, resample_posemb, save_safetensors
-from pipeline.transfer import TransferError, build_transfer_model, load_model
+from pipeline.model import build_vit, resample_posemb
+from pipeline.weights import WeightsError as TransferError
+from pipeline.weights import build_from_source as build_transfer_model
+from pipeline.weights import load_model
+from pipeline.weights import save_model as save_safetensors
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = "synthetic:classes=5,train=512,val=100,noise=80"

@@ -14,11 +14,11 @@ from pipeline.model import (
     jax_npz_to_vitp,
     load_pretrained,
     load_state_dict_into,
-    save_safetensors,
     timm_to_vitp,
     vitp_to_jax_npz,
     vitp_to_timm,
 )
+from pipeline.weights import save_model as save_safetensors  # noqa: E402
 
 TINY = dict(width=32, depth=2, heads=4, mlp_dim=64, patch=4, img_size=16, num_classes=5)
 

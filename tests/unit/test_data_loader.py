@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
-from pipeline.data.augment import DecodeError, EvalTransform, TrainTransform, inception_crop_box
 from pipeline.config import DataCfg
+from pipeline.data.augment import DecodeError, EvalTransform, TrainTransform, inception_crop_box
 from pipeline.data.loader import DataError, EvalLoader, TrainLoader, normalize
 from tests.unit.test_data_shards import image_bytes, label_of, write_dataset
 
@@ -285,3 +285,35 @@ def test_truncated_or_garbage_jpeg_is_a_decode_error():
             TrainTransform(32)(bad, 0)
         with pytest.raises(DecodeError):
             EvalTransform(32)(bad)
+
+
+@pytest.mark.parametrize("workers,start", [(2, 0), (2, 3)])
+def test_forever_keeps_its_workers_across_epochs_with_the_same_batches(data, monkeypatch, workers, start):
+    """One DataLoader (one set of workers) serves epoch after epoch, yielding exactly what epoch-by-
+    epoch iteration yields, from a resumed position too; its state resumes bit-exactly."""
+    import pipeline.data.loader as loader_mod
+
+    cfg, _ = data
+    cfg = replace(cfg, workers=workers)
+    ref = loader(cfg)
+    ref.load_state_dict({**loader(cfg).state_dict(), "step": start})
+    expected = [b for _ in range(3) for b in epoch(ref)][: 12 - start]  # 5 per epoch: into the 3rd
+
+    made = []
+    real = loader_mod._batches
+    monkeypatch.setattr(loader_mod, "_batches", lambda *a, **k: made.append(a) or real(*a, **k))
+    ld = loader(cfg)
+    ld.load_state_dict({**ld.state_dict(), "step": start})
+    it = ld.forever()
+    got = [(x.clone(), y.clone(), list(k)) for x, y, k in itertools.islice(it, 12 - start - 3)]
+    state = ld.state_dict()
+    got += [(x.clone(), y.clone(), list(k)) for x, y, k in itertools.islice(it, 3)]
+    assert len(made) == 1  # one loader for the whole run: its workers persist across epochs
+    assert (state["epoch"], state["step"]) == divmod(12 - 3, 5)
+    assert [k for *_, k in got] == [k for *_, k in expected]
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+    resumed = loader(cfg)
+    resumed.load_state_dict(state)
+    tail = [(x, y, list(k)) for x, y, k in itertools.islice(resumed.forever(), 3)]
+    assert [k for *_, k in tail] == [k for *_, k in expected[-3:]]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(tail, expected[-3:]))

@@ -8,8 +8,10 @@ import torch
 
 from pipeline.config import DataCfg, EvalCfg
 from pipeline.eval.classify import classify, evaluate_model, extract_features, write_artifacts, write_results
-from pipeline.model import build_vit, save_safetensors
-from pipeline.transfer import TransferError, load_model
+from pipeline.model import build_vit
+from pipeline.weights import WeightsError as TransferError
+from pipeline.weights import load_model
+from pipeline.weights import save_model as save_safetensors
 
 
 class FixedLogits(torch.nn.Module):

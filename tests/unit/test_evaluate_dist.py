@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeline.distributed import free_port
 from pipeline.config import DataCfg
+from pipeline.distributed import free_port
 from pipeline.eval.classify import evaluate_model
 from pipeline.model import build_vit
 

@@ -1,10 +1,19 @@
-"""House rules on imports (DESIGN.md): one owner per outside system; the model stays pure torch.
+"""House rules on imports (README, "Architecture"): one owner per outside system; the model stays
+pure torch; the layers import only downwards and never in a circle.
 
 Parses every .py file of the repository with `ast` (imports inside functions included);
 tests/ and bench/ are exempt, they may compare against anything.
+
+Layers, top to bottom:
+    launch                                              starts things, parses argv
+    pipeline.pretrain, pipeline.transfer, pipeline.evaluate       stages: fn(cfg) -> Result
+    pipeline.weights, .train, .eval, .data, .plan       the library
+    pipeline.distributed, .config, .model, .files       the ground floor
+data_prep/ is offline and stands apart: no torch, no pipeline.
 """
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,11 +26,52 @@ OWNERS = {
     "deepspeed": lambda p: p == "pipeline/train/engine.py",
     "mlflow": lambda p: p == "pipeline/train/tracking.py",
     "submitit": lambda p: p.startswith("launch/"),
-    "webdataset": lambda p: p in ("pipeline/data/loader.py", "pipeline/data/shards.py") or p.startswith("data_prep/"),
+    "webdataset": lambda p: p.startswith(("pipeline/data/", "data_prep/")),
 }
 MODEL_ALLOWED = {"torch", "einops", "pipeline"}
 MODEL_LOADING = {"numpy", "safetensors"}  # reading checkpoint files only
 MODEL_LOADING_FILES = {"pipeline/model/convert.py", "pipeline/model/load.py"}
+STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate"}
+LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan")
+GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline.files")
+
+
+def layer(module: str) -> int | None:
+    """3 launch, 2 stages, 1 library, 0 ground floor; None outside vitp's layers (e.g. data_prep)."""
+    def under(prefixes):
+        return any(module == p or module.startswith(p + ".") for p in prefixes)
+    if under(("launch",)):
+        return 3
+    if module in STAGES:
+        return 2
+    if under(LIBRARY):
+        return 1
+    if under(GROUND) or module == "pipeline":
+        return 0
+    return None
+
+
+def module_name(rel: str) -> str:
+    mod = rel[:-3].replace("/", ".")
+    return mod[: -len(".__init__")] if mod.endswith(".__init__") else mod
+
+
+def imports(source: str, module: str) -> set[str]:
+    """Full dotted names of every import in `source` (relative ones resolved against `module`);
+    `from a import b` yields 'a.b' (b may be a module or a name in a)."""
+    out = set()
+    package = module.split(".")
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package[: len(package) - node.level + (1 if module.endswith("__init__") else 0)]
+                base = ".".join([*parent, base] if base else parent)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+            out.add(base)
+    return out
 
 
 def imported_modules(source: str) -> set[str]:
@@ -44,6 +94,77 @@ def violations(rel: str, mods: set[str]) -> list[str]:
             allowed |= MODEL_LOADING
         out += [f"{rel} imports {m} (pipeline/model may use torch/einops/stdlib only)"
                 for m in sorted(mods - allowed)]
+    if rel.startswith("data_prep/"):
+        out += [f"{rel} imports {m} (data_prep stays free of torch and pipeline)"
+                for m in sorted(mods & {"torch", "pipeline", "launch"})]
+    return out
+
+
+def layer_violations(module: str, names: set[str], known: set[str]) -> list[str]:
+    """Upward imports, and stage modules imported by anything but launch."""
+    me = layer(module)
+    out = []
+    for name in sorted(names):
+        target = _known_module(name, known)
+        if target is None or target == module:
+            continue
+        there = layer(target)
+        if me is not None and there is not None and there > me:
+            out.append(f"{module} imports {target} (upward: layer {there} above {me})")
+        if target in STAGES and (me is None or me != 3):
+            out.append(f"{module} imports the stage {target} (only launch starts stages)")
+    return out
+
+
+def _known_module(name: str, known: set[str]) -> str | None:
+    """The longest known module that `name` is, or is a name inside of."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in known:
+            return ".".join(parts[:i])
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = dict(_repo_files())
+    known = {module_name(rel) for rel in files}
+    graph = {}
+    for rel, path in files.items():
+        mod = module_name(rel)
+        graph[mod] = {t for n in imports(path.read_text(encoding="utf-8"), mod)
+                      if (t := _known_module(n, known)) is not None and t != mod}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
     return out
 
 
@@ -62,8 +183,32 @@ def test_repository_follows_import_rules():
     assert not found, "\n".join(found)
 
 
+def test_layers_import_only_downwards():
+    files = dict(_repo_files())
+    known = {module_name(rel) for rel in files}
+    found = []
+    for rel, path in files.items():
+        mod = module_name(rel)
+        found += layer_violations(mod, imports(path.read_text(encoding="utf-8"), mod), known)
+    assert not found, "\n".join(found)
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_stage_imports_without_launch():
+    code = ("import sys, pipeline.pretrain, pipeline.transfer, pipeline.evaluate; "
+            "bad = sorted(m for m in sys.modules if m == 'launch' or m.startswith('launch.') "
+            "or m == 'deepspeed' or m.startswith('deepspeed.')); print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_model_package_is_scanned():
-    assert "pipeline/model/vit.py" in {rel for rel, _ in _repo_files()}
+    rels = {rel for rel, _ in _repo_files()}
+    assert {"pipeline/model/vit.py", "pipeline/train/loop.py", "launch/stages.py"} <= rels
 
 
 def test_checker_catches_violations():
@@ -75,7 +220,15 @@ def test_checker_catches_violations():
     assert not any("os" in x.split(" imports ")[1] for x in v)
     assert violations("pipeline/train/engine.py", {"deepspeed"}) == []
     assert violations("launch/submit.py", {"submitit"}) == []
-    assert violations("pipeline/train.py", {"submitit"}) != []
+    assert violations("pipeline/train/loop.py", {"submitit"}) != []
     assert violations("data_prep/shard.py", {"webdataset"}) == []
+    assert violations("data_prep/shard.py", {"torch"}) != []
     assert violations("pipeline/model/vit.py", {"numpy"}) != []
     assert violations("pipeline/model/convert.py", {"numpy", "safetensors"}) == []
+    known = {"launch.cli", "pipeline.pretrain", "pipeline.train.loop", "pipeline.config", "pipeline.weights"}
+    assert layer_violations("pipeline.train.loop", {"launch.cli.parser_for"}, known)  # upward
+    assert layer_violations("pipeline.weights", {"pipeline.pretrain.pretrain"}, known)  # a stage, not from launch
+    assert layer_violations("launch.cli", {"pipeline.pretrain"}, known) == []
+    assert layer_violations("pipeline.train.loop", {"pipeline.config.Config", "torch"}, known) == []
+    assert imports("from .augment import x", "pipeline.data.loader") >= {"pipeline.data.augment.x"}
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

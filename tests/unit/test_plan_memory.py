@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.plan.memory import ModelShape, activation_bytes, memory_per_rank, model_states
 from pipeline.model.vit import build_vit
+from pipeline.plan.memory import ModelShape, activation_bytes, memory_per_rank, model_states
 
 
 @pytest.fixture(scope="module")

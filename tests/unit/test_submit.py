@@ -14,8 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.distributed import RendezvousError, init_process_group, port_free, rendezvous_port
-from pipeline.distributed import free_port
 from launch.preempt import job_dist_env
 from launch.submit import (
     SubmitError,
@@ -27,6 +25,7 @@ from launch.submit import (
     split_shards,
 )
 from pipeline.config import ConfigError
+from pipeline.distributed import RendezvousError, free_port, init_process_group, port_free, rendezvous_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")

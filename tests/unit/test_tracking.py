@@ -8,7 +8,8 @@ import pytest
 from mlflow import MlflowClient
 
 from pipeline.distributed import free_port
-from pipeline.train.tracking import SPOOL, NullTracker, Tracker, loss_curve_png, start_tracking
+from pipeline.eval.figures import loss_curve_png
+from pipeline.train.tracking import SPOOL, NullTracker, Tracker, start_tracking
 
 
 def dead_uri() -> str:

@@ -1,0 +1,231 @@
+"""Argument parsing of every stage command, and what each prints; the stages themselves are library
+functions of a typed config (pipeline.pretrain, .transfer, .evaluate) that know nothing of argv.
+
+Exit codes: 0 done (or stopped for a requeue), 1 a non-finite loss, 2 a usage or input error (one
+line naming the key, file or value, before anything starts where it can be known then).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from launch.cli import add_config_args, load_config_or_exit, parser_for
+
+
+def _error(e: BaseException) -> int:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
+def stage_main(argv: list[str], command: str, description: str, fn) -> int:
+    """`vitp pretrain|transfer --config X.yaml [overrides]`: parse, validate (exit 2 before anything
+    starts), run ``fn(cfg)`` in this process group; exit 1 on a non-finite loss, 2 on a usage error."""
+    from pipeline.config import ConfigError
+    from pipeline.data import DataError
+    from pipeline.distributed import AcceleratorError, RendezvousError, dist_env, leave_process_group, rank0_print
+    from pipeline.train.loop import NonFiniteLoss, RunDirError
+    from pipeline.weights import WeightsError
+
+    p = parser_for(command, description)
+    add_config_args(p)
+    args = p.parse_args(argv)
+    cfg = load_config_or_exit(args, world_size=dist_env().world_size)
+    try:
+        result = fn(cfg)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (RunDirError, ConfigError, DataError, FileNotFoundError, WeightsError, AcceleratorError,
+            RendezvousError) as e:
+        return _error(e)
+    finally:
+        leave_process_group()
+    rank0_print(f"{command} {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
+    return 0
+
+
+def pretrain_main(argv: list[str]) -> int:
+    from pipeline.pretrain import pretrain
+
+    return stage_main(argv, "pretrain", "pre-train a ViT with DeepSpeed ZeRO; resumes from RUN_DIR's newest "
+                                        "complete checkpoint (run.fresh=true starts over)", pretrain)
+
+
+def transfer_main(argv: list[str]) -> int:
+    from pipeline.transfer import transfer
+
+    return stage_main(argv, "transfer", "Fine-tune a pre-trained ViT at a (higher) resolution on a downstream "
+                                        "dataset: init.from is a run dir, checkpoint folder, safetensors, timm "
+                                        ".pth or JAX .npz.", transfer)
+
+
+# --------------------------------------------------------------------------------------------------
+# vitp eval (and vitp submit eval: the same flags)
+# --------------------------------------------------------------------------------------------------
+def add_eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="a run directory (pretrain/transfer), a DeepSpeed checkpoint folder, or a weights file "
+                        "(vitp .safetensors; timm .pth/.safetensors or JAX .npz need --model)")
+    p.add_argument("--data", required=True, help="a `vitp prep` output folder")
+    p.add_argument("--split", default="val", help="split to score (default: val)")
+    p.add_argument("--fewshot", action="store_true", help="few-shot linear evaluation (train split -> --split)")
+    p.add_argument("--shots", default="1,5,10,25", help="few-shot shots per class (default: 1,5,10,25)")
+    p.add_argument("--seeds", type=int, default=3, help="few-shot draws per shot count (default: 3)")
+    p.add_argument("--l2", type=float, default=1.0, help="few-shot ridge regulariser (default: 1.0)")
+    p.add_argument("--linear-probe", action="store_true", help="logistic regression on frozen features")
+    p.add_argument("--no-top1", action="store_true", help="skip scoring the model's own head")
+    p.add_argument("--model", default=None, help="architecture for weight files without a config, e.g. vit_b16")
+    p.add_argument("--img-size", type=int, default=None, help="evaluate at this resolution (pos-emb resampled)")
+    p.add_argument("--batch", type=int, default=64, help="images per rank per batch (default: 64)")
+    p.add_argument("--max-train-images", type=int, default=None,
+                   help="per rank, cap on training images read for few-shot / linear probe features")
+    p.add_argument("--out", default=None, help="where results.json and artifacts go (default: the run dir, "
+                                               "else ./eval_<checkpoint name>)")
+
+
+# A config is only valid with a model; evaluation takes the model from the checkpoint instead.
+EVAL_MODEL_PLACEHOLDER = ["model.width=8", "model.depth=1", "model.heads=1", "model.mlp_dim=8", "model.patch=1"]
+
+
+def eval_overrides(args: argparse.Namespace) -> list[str]:
+    """`vitp eval` flags -> config overrides of the evaluation stage (checked like any config)."""
+    from pipeline.config import ConfigError
+
+    if not Path(args.data).exists() and not args.data.startswith("synthetic"):
+        raise FileNotFoundError(f"--data {args.data}: no such dataset folder")
+    try:
+        shots = [int(s) for s in args.shots.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(f"--shots: comma-separated integers; got {args.shots!r}") from None
+    if args.fewshot and (not shots or any(s < 1 for s in shots) or args.l2 <= 0 or args.seeds < 1):
+        raise ConfigError(f"--shots/--seeds/--l2: need shots >= 1, seeds >= 1, l2 > 0; got "
+                          f"{args.shots}, {args.seeds}, {args.l2}")
+    kv = {"eval.checkpoint": args.checkpoint, "data.path": args.data, "eval.split": args.split,
+          "eval.fewshot": args.fewshot, "eval.fewshot_shots": shots or [1], "eval.fewshot_seeds": args.seeds,
+          "eval.fewshot_l2": args.l2, "eval.linear_probe": args.linear_probe, "eval.top1": not args.no_top1,
+          "eval.variant": args.model, "eval.img_size": args.img_size, "eval.batch": args.batch,
+          "eval.max_train_images": args.max_train_images, "eval.out": args.out}
+    return [*EVAL_MODEL_PLACEHOLDER, *(f"{k}={json.dumps(v)}" for k, v in kv.items())]
+
+
+def print_eval(res) -> None:
+    from pipeline.distributed import rank0_print
+
+    for key, v in res.metrics.items():
+        rank0_print(f"{key:<28} {v:.4f}")
+    if res.fewshot_text:
+        rank0_print(res.fewshot_text)
+    if res.results:
+        rank0_print(f"results: {res.results}")
+
+
+def eval_main(argv: list[str]) -> int:
+    from pipeline.config import ConfigError, load_config
+    from pipeline.distributed import AcceleratorError, RendezvousError, dist_env, leave_process_group
+    from pipeline.evaluate import evaluate
+
+    p = parser_for("eval", "Evaluate a checkpoint: top-1/top-5, per-class accuracy and confusion matrix on a "
+                           "split; few-shot linear evaluation and a linear probe on frozen features.")
+    add_eval_args(p)
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(None, eval_overrides(args), world_size=dist_env().world_size)
+        res = evaluate(cfg)
+    except (ConfigError, ValueError, FileNotFoundError, AcceleratorError, RendezvousError) as e:
+        return _error(e)
+    print_eval(res)
+    leave_process_group()
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# vitp export, inspect, plan
+# --------------------------------------------------------------------------------------------------
+def export_main(argv: list[str]) -> int:
+    from pipeline.weights import export
+
+    p = parser_for("export", "export consolidated fp32 weights of a run or checkpoint (any ZeRO stage)")
+    p.add_argument("checkpoint", help="a run dir, a checkpoints/step-* folder or a .safetensors file")
+    p.add_argument("--format", choices=["safetensors", "timm"], default="safetensors",
+                   help="vitp names (safetensors) or timm VisionTransformer names (timm, also safetensors)")
+    p.add_argument("out", help="output file, e.g. model.safetensors")
+    args = p.parse_args(argv)
+    try:
+        n = export(args.checkpoint, args.out, args.format)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}")
+        return 2
+    print(f"wrote {args.out}: {n['tensors']} tensors, {n['params'] / 1e6:.2f}M parameters ({args.format})")
+    return 0
+
+
+def inspect_main(argv: list[str]) -> int:
+    from pipeline.eval.figures import load_images, write_figures
+    from pipeline.weights import load_model
+
+    p = parser_for("inspect", "Draw the paper's Figure 6/7 panels for a checkpoint.")
+    p.add_argument("--checkpoint", required=True,
+                   help="a run directory (pre-training/transfer), or a vitp .safetensors export")
+    p.add_argument("--image", action="append", default=[], help="an input image (repeatable)")
+    p.add_argument("--out", required=True, help="folder for the PNGs")
+    args = p.parse_args(argv)
+    try:
+        model = load_model(args.checkpoint)
+        images = load_images(args.image, model.img_size) if args.image else None
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", flush=True)
+        return 2
+    for path in write_figures(model, args.out, images):
+        print(path)
+    return 0
+
+
+def plan_main(argv: list[str]) -> int:
+    from pipeline.config import ConfigError
+    from pipeline.plan.cost import (
+        SWEEP_KEYS,
+        PlanError,
+        format_report,
+        format_sweep,
+        load_planned,
+        parse_sweep,
+        plan,
+        sweep,
+    )
+
+    p = parser_for("plan", "Memory per GPU, step time, throughput and cost of a pre-training run, on paper.")
+    add_config_args(p)
+    p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
+                   help=f"a table over options; keys: {', '.join(SWEEP_KEYS)} (ckpt/offload take on,off)")
+    p.add_argument("--dataset-size", type=int, default=None,
+                   help="images per epoch (default: data.path's _info.json, else JFT-300M's 300M)")
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="head size when model.num_classes is 0 (default: _info.json, else JFT's 18291)")
+    p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda: GPUs (default); cpu: DeepSpeed on CPU over gloo (touched pages, no CUDA context)")
+    p.add_argument("--headroom", type=float, default=0.0,
+                   help="fraction of device memory kept free for fragmentation (e.g. 0.1)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = p.parse_args(argv)
+    kw = dict(dataset=args.dataset_size, num_classes=args.num_classes, backend=args.backend,
+              headroom=args.headroom)
+    try:
+        if not 0 <= args.headroom < 1:
+            raise PlanError(f"--headroom: must be in [0, 1); got {args.headroom}")
+        cfg = load_planned(args.config, args.overrides)
+        result = plan(cfg, **kw)
+        rows = sweep(args.config, args.overrides, parse_sweep(args.sweep), **kw) if args.sweep else None
+    except (ConfigError, PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({**result, "sweep": rows}, indent=1, default=float))
+        return 0
+    print(format_report(result))
+    if rows is not None:
+        print("\n== sweep (NO: does not fit in device memory)")
+        print(format_sweep(rows))
+    return 0

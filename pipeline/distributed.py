@@ -325,7 +325,8 @@ def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300
 
 
 def wait_for_rank0() -> None:
-    """Every rank waits here until rank 0 arrives, however long rank 0's own work takes.
+    """A barrier that outwaits slow work: every rank waits here until all have arrived, however long
+    rank 0's own work (or a rank's slow file system) takes.
 
     A barrier on the default group would sit inside NCCL's watchdog timeout (engine.dist_timeout_s)
     while rank 0 converts or consolidates a checkpoint; the side gloo group's timeout is a day.

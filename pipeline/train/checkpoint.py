@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pipeline.distributed import rank0_print, rank_world, wait_for_rank0
 from pipeline.files import atomic_write, replacing
@@ -111,11 +110,6 @@ def set_rng_state(state: dict) -> None:
 # --------------------------------------------------------------------------------------------------
 # Save / resume (collective: call on every rank)
 # --------------------------------------------------------------------------------------------------
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, manifest: dict,
          keep: int, shared: dict[str, torch.Tensor] | None = None, train_state: dict | None = None) -> Path:
     """Write checkpoint ``step`` on every rank, then publish it atomically; keep the newest ``keep``.
@@ -135,7 +129,7 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
             shutil.rmtree(stale, ignore_errors=True)
         if final.exists():  # re-saving a step (e.g. the final save right after a periodic one)
             shutil.rmtree(final)
-    _barrier()
+    wait_for_rank0()  # rank 0 may have had old folders to delete
     eng.save_checkpoint(engine, str(r), tmp.name)
     extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_state(),
               "loader": json.dumps(loader_state), "train": json.dumps(train_state or {})}
@@ -144,7 +138,7 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
     with replacing(tmp / f"vitp_rank{rank}.pt") as part:
         torch.save(extras, part)
     maybe_fault("save", step)
-    _barrier()  # every rank's files are on disk
+    wait_for_rank0()  # every rank's files are on disk (a large shard on a slow file system takes minutes)
     if rank == 0:
         doc = dict(manifest, step=step, world_size=world, saved_at=time.time(),
                    files=sorted(p.name for p in tmp.iterdir()))

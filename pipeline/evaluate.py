@@ -45,7 +45,7 @@ def evaluate(cfg: Config) -> EvalResult:
         except DataError as err:
             raise FileNotFoundError(str(err)) from None
     d = dist_env()
-    kind = choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)
+    kind = choose_accelerator(cfg.engine.backend)  # a submitted job's GPU request is checked at job start
     if d.world_size > 1:
         export_env(d)
         init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)

@@ -22,6 +22,8 @@ import re
 import torch
 import torch.distributed as dist
 
+from pipeline.distributed import comm_device
+
 
 def _deepspeed():
     """DeepSpeed, imported only once this process needs it.
@@ -37,6 +39,11 @@ def _deepspeed():
     return deepspeed
 
 
+def _on_gpu() -> bool:
+    """This run trains on a GPU: the accelerator the node chose, not merely one that exists."""
+    return comm_device().type == "cuda"
+
+
 def init_distributed(cfg) -> str:
     """Decide the accelerator on this node, join the process group; returns 'cuda' or 'cpu'.
 
@@ -45,7 +52,9 @@ def init_distributed(cfg) -> str:
     """
     from pipeline.distributed import choose_accelerator, dist_env, export_env, init_process_group
 
-    kind = choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)
+    # cluster.gpus_per_node is what a submitted job asked SLURM for: the job entry (launch/preempt.py)
+    # holds the node to it; a process started here by hand runs on what it finds
+    kind = choose_accelerator(cfg.engine.backend)
     d = dist_env()
     export_env(d)
     init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
@@ -65,15 +74,15 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
     e, t = cfg.engine, cfg.train
     zero: dict = {"stage": e.zero_stage}
     if e.zero_stage >= 1:
-        zero.update(contiguous_gradients=True, overlap_comm=torch.cuda.is_available(),
+        zero.update(contiguous_gradients=True, overlap_comm=_on_gpu(),
                     reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
     if e.zero_stage == 3:
         zero.update(stage3_param_persistence_threshold=int(1e5), stage3_prefetch_bucket_size=int(5e7),
                     stage3_gather_16bit_weights_on_model_save=False)
     if e.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": _on_gpu()}
     if e.offload_params:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": _on_gpu()}
     return {
         "train_batch_size": t.global_batch,
         "train_micro_batch_size_per_gpu": t.micro_batch,
@@ -132,9 +141,7 @@ def compile_blocks(model: torch.nn.Module, cfg) -> int:
     """torch.compile each transformer block in place (train.compile; None: on GPUs only); returns
     how many. Per block, not the whole model: one graph reused depth times compiles fast, and
     DeepSpeed's hooks and activation checkpointing stay outside the compiled regions."""
-    from pipeline.distributed import comm_device
-
-    want = cfg.train.compile if cfg.train.compile is not None else comm_device().type == "cuda"
+    want = cfg.train.compile if cfg.train.compile is not None else _on_gpu()
     blocks = list(getattr(model, "blocks", []))
     if not want or not blocks:
         return 0
@@ -153,7 +160,7 @@ def make_optimizer(param_groups: list[dict], cfg) -> torch.optim.Optimizer:
     o = cfg.optim
     if o.name == "sgd":
         return torch.optim.SGD(param_groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    fused = torch.cuda.is_available() and not cfg.engine.offload_optimizer
+    fused = _on_gpu() and not cfg.engine.offload_optimizer
     return torch.optim.AdamW(param_groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                              weight_decay=o.weight_decay, fused=fused or None)
 
@@ -171,7 +178,10 @@ def build_engine(model: torch.nn.Module, cfg, param_groups: list[dict] | None = 
     compile_blocks(model, cfg)
     groups = param_groups if param_groups is not None else default_param_groups(model, cfg.optim.weight_decay)
     ds_cfg = deepspeed_config(cfg, dist.get_world_size(), load_universal=load_universal)
-    engine, _, _, _ = _deepspeed().initialize(model=model, optimizer=make_optimizer(groups, cfg),
+    # device_rank: the GPU this rank chose (pipeline.distributed.local_device_index), not LOCAL_RANK,
+    # which is no device index where each task sees only its own GPU
+    args = argparse.Namespace(device_rank=comm_device().index or 0) if _on_gpu() else None
+    engine, _, _, _ = _deepspeed().initialize(args=args, model=model, optimizer=make_optimizer(groups, cfg),
                                            config=ds_cfg, dist_init_required=False)
     return engine
 

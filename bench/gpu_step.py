@@ -1,0 +1,516 @@
+"""vitp's pre-training step on one GPU, side by side with its peers in one process; prints ratios.
+
+    mfu_vit_l16               vitp's step (pipeline.train.engine.build_engine, configs/pretrain/vit_l16.yaml for
+                              1 rank: ZeRO-2, bf16) at the best micro batch: model FLOPs / (step time x peak)
+    mfu_vit_b16               the same for vit_b16.yaml
+    step_vs_timm_gpu          vitp step time / timm VisionTransformer in a plain torch loop (bf16 autocast,
+                              fused AdamW, same clip and loss), same batch, SAME WORK: every token through
+                              vitp's last block, as in timm's
+    step_vs_timm_gpu_token0   the same with vitp as it trains (its last block computes token 0 only)
+    zero2_vs_plain_gpu        DeepSpeed throughput / the same vitp model in a plain torch loop, same batch
+    loader_vs_step_gpu        TrainLoader images/s over `vitp prep` shards (os.cpu_count() workers, pinned,
+                              copied and normalised on the device) / ViT-L/16 training images/s
+    plan_vs_measured_mem_gpu  `vitp plan` peak memory per GPU / torch.cuda.max_memory_allocated, ViT-L/16
+
+A step is the loop's: uint8 batch on the device -> normalize -> forward -> loss -> backward -> optimizer.
+Step time: median of --windows windows of --steps steps after --warmup, synchronised around each window.
+The peers run on the first of --models at its best batch (or the largest smaller one where all fit).
+Ratio lines go to stdout, everything else to stderr. Tracking is off (no MLflow needed).
+
+    python bench/gpu_step.py                  # one GPU, ~6 minutes on an H100
+    python bench/gpu_step.py --compile off    # vitp without torch.compile'd blocks
+    python bench/gpu_step.py --smoke          # every path on the CPU: tiny ViT, 1-2 steps, fp32, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import types
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.data.loader import TrainLoader, normalize  # noqa: E402
+from pipeline.model.flops import train_step_flops  # noqa: E402
+from pipeline.train import engine as eng  # noqa: E402
+from pipeline.train.loss import loss_fn  # noqa: E402
+from pipeline.weights import build_model  # noqa: E402
+
+BATCHES = {"vit_l16": [32, 64, 128, 256], "vit_b16": [64, 128, 256, 512]}
+SMOKE_BATCHES = [2, 4]
+# a tiny ViT for --smoke (explicit dims override the recipe's variant)
+SMOKE_MODEL = ["model.width=32", "model.depth=2", "model.heads=2", "model.mlp_dim=64", "model.patch=8",
+               "model.img_size=32", "model.representation_size=32"]
+PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # bf16 dense FLOP/s (H100: the SXM figure)
+GiB = 2**30
+
+
+@dataclass
+class Timing:
+    step_s: float  # median seconds per step
+    peak_bytes: float  # torch.cuda.max_memory_allocated over the timed windows (nan on CPU)
+    windows: list
+
+
+OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+RATIOS = sys.stdout  # the ratio lines; everything else printed while the bench runs goes to stderr
+
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def ratio(name: str, value: float) -> None:
+    print(f"ratio {name} {value:.4f}", file=RATIOS, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Contestants: each builder returns (step, close); step() is one optimizer step on a fixed batch
+# --------------------------------------------------------------------------------------------------
+def _full_forward(self, x):
+    """ViT.forward with every token through the last block (timm's work), instead of token 0 only."""
+    return self.forward_head(self.forward_features(x))
+
+
+def _vitp_model(cfg, num_classes: int, device):
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):  # initialised where it trains: no host copy of a 300M-parameter model
+        return build_model(cfg, num_classes)
+
+
+def build_vitp(cfg, images, labels, num_classes, device, *, full_last_block=False):
+    """The pre-training step: DeepSpeed engine from pipeline.train.engine.build_engine, as the loop drives it."""
+    model = _vitp_model(cfg, num_classes, device)
+    if full_last_block:
+        model.forward = types.MethodType(_full_forward, model)
+    engine = eng.build_engine(model, cfg)
+    dtype, kind, lr = eng.input_dtype(cfg), cfg.train.loss, cfg.optim.lr
+    engine.train()
+
+    def step():
+        eng.set_lr(engine, lr)
+        logits = engine(normalize(images).to(dtype)).float()
+        engine.backward(loss_fn(kind, logits, labels))
+        engine.step()
+
+    def close():
+        if hasattr(engine, "destroy"):  # removes ZeRO's gradient hooks, frees its buffers
+            engine.destroy()
+
+    return step, close
+
+
+def _plain_loop(model, cfg, images, labels, device):
+    """A plain torch loop: bf16 autocast (on CUDA with precision bf16), fused AdamW, the recipe's clip."""
+    o = cfg.optim
+    groups = eng.default_param_groups(model, o.weight_decay)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                            fused=True if device.type == "cuda" else None)
+    amp = device.type == "cuda" and cfg.engine.precision == "bf16"
+    kind, clip = cfg.train.loss, cfg.optim.clip_grad
+    model.train()
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            logits = model(normalize(images))
+        loss_fn(kind, logits.float(), labels).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, lambda: None
+
+
+def build_plain(cfg, images, labels, num_classes, device):
+    """The same vitp model (blocks compiled as the engine compiles them) without DeepSpeed."""
+    model = _vitp_model(cfg, num_classes, device)
+    eng.compile_blocks(model, cfg)
+    return _plain_loop(model, cfg, images, labels, device)
+
+
+def build_timm(cfg, images, labels, num_classes, device):
+    """timm's VisionTransformer with vitp's dims, class token and dropout (timm has no pre-logits layer:
+    vitp's extra D x R matmul on the class token is < 0.1% of the FLOPs)."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    with torch.device("meta"):
+        c = build_model(cfg, num_classes).config
+    torch.manual_seed(cfg.seed)
+    with torch.device(device):
+        model = VisionTransformer(
+            img_size=c["img_size"], patch_size=c["patch"], embed_dim=c["width"], depth=c["depth"],
+            num_heads=c["heads"], mlp_ratio=c["mlp_dim"] / c["width"], num_classes=num_classes,
+            global_pool="token", class_token=True, pos_drop_rate=c["dropout"], proj_drop_rate=c["dropout"],
+            attn_drop_rate=c["attn_dropout"], drop_path_rate=c["drop_path"])
+    return _plain_loop(model, cfg, images, labels, device)
+
+
+BUILDERS = {"vitp": build_vitp, "vitp_full": lambda *a: build_vitp(*a, full_last_block=True), "plain": build_plain,
+            "timm": build_timm}
+
+
+# --------------------------------------------------------------------------------------------------
+# The bench
+# --------------------------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.cuda = not args.smoke
+        if self.cuda and not torch.cuda.is_available():
+            from pipeline.distributed import cuda_problem
+
+            raise SystemExit(f"error: no usable CUDA GPU ({cuda_problem()}); --smoke runs the CPU paths")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.compile = {"auto": None, "on": True, "off": False}[args.compile]
+        self.num_classes = args.classes
+
+    @property
+    def compiling(self) -> bool:
+        return self.cuda and self.compile is not False
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - T0
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def free(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def cfg(self, name: str, batch: int):
+        """The recipe overridden for one rank at micro batch ``batch`` (no accumulation)."""
+        a = self.args
+        ov = [f"train.micro_batch={batch}", f"train.global_batch={batch}", "cluster.nodes=1",
+              "cluster.tasks_per_node=1", f"cluster.gpus_per_node={int(self.cuda)}", f"engine.zero_stage={a.zero}",
+              f"engine.precision={'bf16' if self.cuda else 'fp32'}",
+              f"engine.backend={'nccl' if self.cuda else 'gloo'}",
+              "tracking.enabled=false", f"model.num_classes={self.num_classes}", "model.grad_checkpointing=false"]
+        if self.compile is not None:
+            ov.append(f"train.compile={str(self.compile).lower()}")
+        if a.smoke:
+            ov += SMOKE_MODEL
+        return load_config(ROOT / "configs" / "pretrain" / f"{name}.yaml", ov, world_size=1)
+
+    def batch(self, cfg, b: int):
+        """A synthetic uint8 batch already on the device (the loader is measured on its own)."""
+        g = torch.Generator().manual_seed(b)
+        s = cfg.model.img_size
+        images = torch.randint(0, 256, (b, 3, s, s), dtype=torch.uint8, generator=g).to(self.device)
+        labels = torch.randint(0, self.num_classes, (b,), generator=g).to(self.device)
+        return images, labels
+
+    def time_steps(self, step) -> Timing:
+        a = self.args
+        for _ in range(a.warmup):
+            step()
+        self.sync()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        windows = []
+        for _ in range(a.windows):
+            self.sync()
+            t = time.perf_counter()
+            for _ in range(a.steps):
+                step()
+            self.sync()
+            windows.append((time.perf_counter() - t) / a.steps)
+        peak = float(torch.cuda.max_memory_allocated()) if self.cuda else math.nan
+        return Timing(statistics.median(windows), peak, windows)
+
+    def measure(self, kind: str, cfg, b: int) -> Timing | None:
+        """Build ``kind`` at micro batch ``b``, time it, free it; None if it does not fit in memory."""
+        self.free()
+        if self.cuda:
+            log(f"  {kind} b={b}: {torch.cuda.memory_allocated() / GiB:.2f} GiB allocated before building")
+        try:
+            return self._measure(kind, cfg, b)
+        except (OOM, RuntimeError) as e:
+            if not isinstance(e, OOM) and "out of memory" not in str(e).lower():
+                raise
+            log(f"  {kind} b={b}: out of memory ({str(e).splitlines()[0][:120]})")
+        finally:
+            self.free()  # this frame holds nothing of the contestant: its memory goes back here
+        return None
+
+    def _measure(self, kind: str, cfg, b: int) -> Timing:
+        images, labels = self.batch(cfg, b)
+        step, close = BUILDERS[kind](cfg, images, labels, self.num_classes, self.device)
+        try:
+            return self.time_steps(step)
+        finally:
+            close()
+
+    def measure_vitp(self, name: str, b: int, kind: str = "vitp") -> Timing | None:
+        """As measure() for vitp's model; if compiling its blocks fails, say so loudly and go on without."""
+        try:
+            return self.measure(kind, self.cfg(name, b), b)
+        except Exception:
+            if self.compile is False:
+                raise
+            log("vitp FAILED with train.compile on; retrying everything with train.compile=false:\n"
+                + traceback.format_exc())
+            self.compile = False
+            torch._dynamo.reset()
+            return self.measure(kind, self.cfg(name, b), b)
+
+    def peak(self, cfg) -> tuple[float, str]:
+        if not self.cuda:
+            return cfg.hardware.peak_tflops * 1e12, "hardware.peak_tflops of the recipe (CPU smoke: not a real peak)"
+        dev = torch.cuda.get_device_name()
+        for key, flops in PEAKS.items():
+            if key in dev:
+                return flops, f"{flops / 1e12:.0f} TFLOP/s bf16 dense for {key} ({dev})"
+        hw = cfg.hardware.peak_tflops
+        return hw * 1e12, f"hardware.peak_tflops {hw:g} of the recipe ({dev} is not in this bench's table)"
+
+    def plan_bytes(self, cfg) -> float:
+        from pipeline.plan.cost import plan
+
+        return float(plan(cfg, num_classes=self.num_classes, backend="cuda" if self.cuda else "cpu")["memory"]["total"])
+
+    def flops(self, cfg, b: int) -> float:
+        with torch.device("meta"):
+            c = build_model(cfg, self.num_classes).config
+        return float(train_step_flops(c, batch=b, grad_checkpointing=False))
+
+    # ---- sections ----------------------------------------------------------------------------------
+    def search(self, name: str, budget_s: float) -> dict[int, Timing]:
+        """vitp's step at each candidate micro batch, largest first (the likeliest best; one that does not
+        fit falls through to the next), smaller ones while the time budget lasts."""
+        batches = SMOKE_BATCHES if self.args.smoke else (self.args.batches or BATCHES.get(name, [32, 64, 128, 256]))
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.cuda else math.inf
+        out: dict[int, Timing] = {}
+        steps = self.args.warmup + self.args.windows * self.args.steps
+        for b in sorted(batches, reverse=True):
+            if out:  # a smaller one costs its steps, building, and at the second size a dynamic-batch recompile
+                last = min(out)
+                est = steps * out[last].step_s * b / last + 15 + (45 if self.compiling and len(out) == 1 else 0)
+                if self.elapsed() + est > budget_s:
+                    log(f"{name}: b={b} would end past the time budget ({budget_s:.0f}s); not tried")
+                    break
+            cfg = self.cfg(name, b)
+            planned = self.plan_bytes(cfg)
+            if planned > 1.15 * total:
+                log(f"{name} b={b}: the plan says {planned / GiB:.1f} GiB > {total / GiB:.1f} GiB; not tried")
+                continue
+            r = self.measure_vitp(name, b)
+            if r is None:
+                continue
+            out[b] = r
+            peak, _ = self.peak(cfg)
+            log(f"{name} b={b}: {r.step_s * 1e3:.1f} ms/step, {b / r.step_s:.1f} img/s, "
+                f"MFU {self.flops(cfg, b) / r.step_s / peak:.3f}, max allocated {r.peak_bytes / GiB:.2f} GiB, "
+                f"plan {planned / GiB:.2f} GiB; windows " + " ".join(f"{w * 1e3:.1f}" for w in r.windows))
+        return out
+
+    def compare(self, name: str, found: dict[int, Timing], best: int) -> None:
+        """timm and the plain loop vs vitp at the largest batch <= best where every contestant fits."""
+        if self.compiling:  # static graphs for this batch, as a run at one micro batch has (cached on disk)
+            torch._dynamo.reset()
+        for b in sorted((b for b in found if b <= best), reverse=True):
+            cfg = self.cfg(name, b)
+            got = {}
+            for kind in ("timm", "plain", "vitp_full"):
+                got[kind] = self.measure(kind, cfg, b) if kind == "timm" else self.measure_vitp(name, b, kind)
+                if got[kind] is None:
+                    break
+            if any(v is None for v in got.values()):
+                continue
+            ds = found[b]
+            log(f"compared at b={b} on {name}, ms/step: vitp (DeepSpeed ZeRO-{self.args.zero}) {ds.step_s * 1e3:.1f} "
+                f"(token 0 in the last block), {got['vitp_full'].step_s * 1e3:.1f} (every token); timm "
+                f"{got['timm'].step_s * 1e3:.1f}; plain vitp {got['plain'].step_s * 1e3:.1f}; max allocated GiB: "
+                + ", ".join(f"{k} {r.peak_bytes / GiB:.2f}" for k, r in got.items()))
+            ratio("step_vs_timm_gpu", got["vitp_full"].step_s / got["timm"].step_s)
+            ratio("step_vs_timm_gpu_token0", ds.step_s / got["timm"].step_s)
+            ratio("zero2_vs_plain_gpu", got["plain"].step_s / ds.step_s)
+            return
+        log(f"{name}: timm / plain loop fit at no measured batch")
+        for n in ("step_vs_timm_gpu", "step_vs_timm_gpu_token0", "zero2_vs_plain_gpu"):
+            ratio(n, math.nan)
+
+    def loader_rate(self, cfg, batch: int) -> float:
+        """Images/s of TrainLoader over `vitp prep` shards of synthetic photos, as the loop consumes them."""
+        from data_prep import prep
+
+        a, cores = self.args, os.cpu_count() or 1
+        n, (lo, hi) = (24, (40, 80)) if a.smoke else (a.loader_images, (300, 500))
+        with tempfile.TemporaryDirectory(prefix="vitp_gpu_bench_") as tmp:
+            src, out = Path(tmp) / "images", Path(tmp) / "shards"
+            t = time.perf_counter()
+            write_images(src, n, lo, hi)
+            prep(src, out, workers=cores, progress=False, max_samples_per_shard=max(1, n // cores), seed=0)
+            log(f"loader: {n} JPEGs {lo}-{hi} px prepped into {len(list(out.glob('train-*.tar')))} shards "
+                f"in {time.perf_counter() - t:.1f}s; {cores} workers, micro batch {batch}")
+            data = replace(cfg.data, path=str(out), workers=cores, shuffle_buffer=min(cfg.data.shuffle_buffer, 1000))
+            loader = TrainLoader(data, img_size=cfg.model.img_size, micro_batch=batch, global_batch=batch, rank=0,
+                                 world_size=1, seed=0, pin_memory=self.cuda)
+            it = loader.forever()
+            per_window = max(cores, 2)
+
+            def take(k: int) -> None:
+                for _ in range(k):
+                    images, _labels = next(it)
+                    normalize(images.to(self.device, non_blocking=True))
+
+            take(per_window)  # every worker has started and filled its shuffle buffer
+            rates = []
+            for _ in range(1 if a.smoke else 3):
+                self.sync()
+                t = time.perf_counter()
+                take(per_window)
+                self.sync()
+                rates.append(per_window * batch / (time.perf_counter() - t))
+            it.close()  # ends the workers
+            log("loader: " + " ".join(f"{r:.0f}" for r in rates) + " img/s per window")
+            return statistics.median(rates)
+
+    def run(self) -> None:
+        a = self.args
+        models = a.models.split(",")
+        cfg0 = self.cfg(models[0], 1)
+        eng.init_distributed(cfg0)  # the 1-rank group every engine below reuses
+        if self.compiling:
+            for key in ("cache_size_limit", "recompile_limit"):  # batch sizes x last-block variants
+                if hasattr(torch._dynamo.config, key):
+                    setattr(torch._dynamo.config, key, max(64, getattr(torch._dynamo.config, key)))
+        peak, peak_note = self.peak(cfg0)
+        log(f"device {self.device} ({torch.cuda.get_device_name() if self.cuda else 'CPU smoke'}); peak {peak_note}; "
+            f"ZeRO-{a.zero}, {cfg0.engine.precision}, train.compile={self.compile} (None: the config's default), "
+            f"{self.num_classes} classes, {a.warmup} warm-up + {a.windows} x {a.steps} timed steps")
+        for i, name in enumerate(models):
+            share = (0.55 if len(models) > 1 else 0.8) if i == 0 else 1.0
+            if i and self.compiling:
+                torch._dynamo.reset()  # another width: fresh static graphs, not ones made dynamic in every dim
+            try:
+                found = self.search(name, budget_s=a.budget_s * share)
+            except Exception:
+                log(f"{name}: FAILED\n{traceback.format_exc()}")
+                found = {}
+            best = max(found, key=lambda b: b / found[b].step_s) if found else None
+            if best is None:
+                ratio(f"mfu_{name}", math.nan)
+            else:
+                log(f"{name}: best micro batch {best}: {best / found[best].step_s:.1f} img/s")
+                ratio(f"mfu_{name}", self.flops(self.cfg(name, best), best) / found[best].step_s / peak)
+            if i == 0:
+                self.against_peers(name, found, best)
+        log(f"done in {self.elapsed():.0f}s")
+
+    def against_peers(self, name: str, found: dict[int, Timing], best: int | None) -> None:
+        """The first model's comparisons: timm and the plain loop, the loader, the plan's memory."""
+        sections = {"peers": ("step_vs_timm_gpu", "step_vs_timm_gpu_token0", "zero2_vs_plain_gpu"),
+                    "loader": ("loader_vs_step_gpu",), "memory": ("plan_vs_measured_mem_gpu",)}
+        for section, names in sections.items():
+            try:
+                if best is None:
+                    raise RuntimeError(f"{name}: no micro batch was measured")
+                if section == "peers":
+                    self.compare(name, found, best)
+                elif section == "loader":
+                    train_rate = best / found[best].step_s
+                    ratio("loader_vs_step_gpu", self.loader_rate(self.cfg(name, best), best) / train_rate)
+                else:
+                    self.memory(name, best, found[best])
+            except Exception:
+                log(f"FAILED: {', '.join(names)}\n{traceback.format_exc()}")
+                for n in names:
+                    ratio(n, math.nan)
+                self.free()
+
+    def memory(self, name: str, best: int, r: Timing) -> None:
+        from pipeline.plan.memory import CUDA_CONTEXT
+
+        planned = self.plan_bytes(self.cfg(name, best))
+        ctx = f" (of which {CUDA_CONTEXT / GiB:.1f} GiB CUDA context outside torch's allocator)" if self.cuda else ""
+        log(f"memory at b={best}: plan {planned / GiB:.3f} GiB{ctx}, measured max_memory_allocated "
+            f"{r.peak_bytes / GiB:.3f} GiB" + ("" if self.cuda else " (no allocator statistics on the CPU)"))
+        ratio("plan_vs_measured_mem_gpu", planned / r.peak_bytes)
+
+
+def write_images(root: Path, n: int, lo: int, hi: int, classes: int = 10) -> None:
+    """``n`` photo-like JPEGs (smooth colour fields, shapes, sensor noise; q90) of lo..hi px a side
+    in an ImageFolder tree."""
+    from PIL import Image, ImageDraw, ImageFilter
+
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        w, h = (int(v) for v in rng.integers(lo, hi + 1, 2))
+        y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+        chans = [np.sin(x / rng.uniform(15, 90) + rng.uniform(0, 6)) * 50
+                 + np.cos(y / rng.uniform(15, 90) + rng.uniform(0, 6)) * 40 + rng.uniform(60, 190) for _ in range(3)]
+        im = Image.fromarray(np.clip(np.stack(chans, -1) + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8))
+        d = ImageDraw.Draw(im)
+        for _ in range(8):
+            x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
+            d.ellipse([x0, y0, x0 + int(rng.integers(8, w // 2)), y0 + int(rng.integers(8, h // 2))],
+                      fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
+        folder = root / f"c{i % classes:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        im.filter(ImageFilter.GaussianBlur(1.0)).save(buf, "JPEG", quality=90)
+        (folder / f"{i:05d}.jpg").write_bytes(buf.getvalue())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="vit_l16,vit_b16",
+                    help="recipes in configs/pretrain/, comma-separated; the first is compared with timm, the "
+                         "plain loop, the loader and the plan (default vit_l16,vit_b16)")
+    ap.add_argument("--batches", type=lambda s: [int(v) for v in s.split(",")], default=None,
+                    help="micro batches to try, largest first (default: vit_l16 32,64,128,256; vit_b16 64,...,512)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per timed window (default 5; smoke 1)")
+    ap.add_argument("--windows", type=int, default=None, help="timed windows, median taken (default 5; smoke 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
+    ap.add_argument("--zero", type=int, default=2, choices=[1, 2], help="ZeRO stage (default 2)")
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
+                    help="train.compile for vitp: auto keeps the config's default (on for GPUs)")
+    ap.add_argument("--classes", type=int, default=1000, help="head size (default 1000)")
+    ap.add_argument("--loader-images", type=int, default=384, help="JPEGs written for the loader (default 384)")
+    ap.add_argument("--budget-s", type=float, default=300.0,
+                    help="soft time limit for the batch searches; later candidates are skipped (default 300)")
+    ap.add_argument("--smoke", action="store_true", help="every path on the CPU: tiny ViT, 1-2 steps, fp32, gloo")
+    a = ap.parse_args(argv)
+    smoke = a.smoke
+    a.steps = a.steps or (1 if smoke else 5)
+    a.windows = a.windows or (2 if smoke else 5)
+    a.warmup = a.warmup if a.warmup is not None else (1 if smoke else 3)
+    if smoke:
+        a.budget_s = math.inf  # every path, however slow this CPU is today
+    from pipeline.distributed import leave_process_group
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # libraries' prints must not mix with the ratio lines
+            Bench(a).run()
+    finally:
+        leave_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -223,12 +223,6 @@ class TrainLoader:
         self.img_size, self.micro_batch, self.global_batch = int(img_size), int(micro_batch), int(global_batch)
         self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
         self.return_keys, self.pin_memory = return_keys, pin_memory
-        streams = world_size * max(1, self.num_workers)
-        if not cfg_data.resampled and len(self.split.urls) < streams:
-            raise DataError(
-                f"data.path: split {self.split.name!r} has {len(self.split.urls)} shards, fewer than world size "
-                f"{world_size} x data.workers {max(1, self.num_workers)}; lower data.workers, set data.resampled=true, "
-                "or re-shard smaller")
         self.accum_steps = global_batch // (world_size * micro_batch)
         self.steps_per_epoch = max(1, self.split.num_samples // global_batch)
         self.micro_batches_per_epoch = self.steps_per_epoch * self.accum_steps

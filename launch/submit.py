@@ -218,6 +218,13 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
         (Path(cfgs[0].cluster.log_dir) / "%j").rmdir()
     except OSError:
         pass
+    if cluster == "debug":  # submitit's debug executor runs a job in this process when its result is asked for
+        for job in jobs:
+            job.environ["SUBMITIT_FOLDER"] = str(job.paths.folder)  # JobEnvironment.paths reads it
+            try:
+                job.results()
+            except Exception:  # noqa: S110 — the job folder holds its error record; outcome() reports it
+                pass
     entries = []
     for job, cfg, call in zip(jobs, cfgs, calls):
         folder = Path(job.paths.folder)

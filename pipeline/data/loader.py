@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import signal
 import warnings
 from collections.abc import Iterator
 
@@ -77,6 +78,12 @@ def _worker() -> tuple[int, int]:
 
 def _init_worker(_):
     torch.set_num_threads(1)  # decode/augment is per-sample; intra-op threads only fight each other
+    # SLURM sends its stop signals (USR2 before the time limit or on preemption, TERM on scancel) to every
+    # process of the task. They ask the main process to finish the step and save, which needs the workers
+    # alive until then: torch's worker handler would die of TERM, and USR2's default action kills. The
+    # workers still end with their loader, or with the main process (torch's parent watchdog), or by KILL.
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _as_is(x):  # collate_fn: batches are made in the workers; keep numpy arrays numpy on the way

@@ -155,6 +155,27 @@ def test_one_shard_feeds_every_rank_and_worker(tmp_path):
     assert collections.Counter(per_rank[0] + per_rank[1]) == collections.Counter(keys)
 
 
+def test_workers_outlive_the_stop_signals_slurm_sends_to_every_process(tmp_path):
+    """scancel (TERM) and preemption (USR2) reach the loader workers too: they must keep serving until
+    the main process has finished its step and saved."""
+    import os
+    import signal
+
+    import psutil
+
+    keys = write_dataset(tmp_path, {"train": [16, 16]})["train"]
+    cfg = DataCfg(path=str(tmp_path), workers=2, shuffle_buffer=4)
+    it = iter(loader(cfg, 0, world=1, micro_batch=4, global_batch=4))
+    seen = list(next(it)[2])
+    workers = psutil.Process(os.getpid()).children()
+    assert len(workers) == 2
+    for w in workers:
+        w.send_signal(signal.SIGTERM)
+        w.send_signal(signal.SIGUSR2)
+    seen += [k for _, _, ks in it for k in ks]
+    assert collections.Counter(seen) == collections.Counter(keys)
+
+
 def test_clear_errors(data, tmp_path):
     cfg, _ = data
     with pytest.raises(DataError, match="not divisible"):

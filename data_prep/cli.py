@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -110,7 +111,13 @@ def verify_main(argv: list[str]) -> int:
     if problems:
         print(f"vitp verify: {len(problems)} problem(s) in {args.out}", file=sys.stderr)
         return 1
-    print(f"vitp verify: {args.out} OK")
+    # verify() has read every shard and found the counts of _info.json true: say them
+    info = json.loads((Path(args.out) / "_info.json").read_text(encoding="utf-8"))
+    splits = info.get("splits", {})
+    shards = sum(len(s["filenames"]) for s in splits.values())
+    per_split = ", ".join(f"{name} {s['num_samples']}" for name, s in splits.items())
+    print(f"vitp verify: {args.out} OK: {shards} shards, {sum(s['num_samples'] for s in splits.values())} samples "
+          f"({per_split}), {info.get('num_rejects', 0)} rejects")
     return 0
 
 

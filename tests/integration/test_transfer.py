@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -176,11 +177,12 @@ def test_registry_roundtrip(pretrained, tmp_path, mlflow_server):
     import mlflow.pytorch
 
     uri = getattr(mlflow_server, "uri", mlflow_server)
-    name = f"vitp-tiny-ft-{os.getpid()}"
+    # the server's store outlives this run (and pids repeat): a name no earlier run can have used
+    name = f"vitp-tiny-ft-{uuid.uuid4().hex[:12]}"
     run = tmp_path / "ft"
     r = _vitp("transfer", "--config", str(FT), f"run.dir={run}", f"init.from={pretrained}", f"data.path={DATA}",
               "model.img_size=32", "train.steps=5", "tracking.enabled=true", f"tracking.uri={uri}",
-              f"tracking.experiment=test-transfer-{os.getpid()}", f"tracking.register_name={name}")
+              f"tracking.experiment=test-transfer-{name}", f"tracking.register_name={name}")
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads((run / "results.json").read_text())
     mlflow.set_tracking_uri(uri)

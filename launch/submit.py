@@ -118,7 +118,7 @@ def check_data(cfg, stage: str) -> None:
     """The dataset exists and has every split the run will read (pipeline.data.shards.check_splits,
     which the stage repeats at its start). Fewer shards than ranks x loader workers is fine: the loader
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
-    from pipeline.data.shards import DataError, check_splits
+    from pipeline.data.loader import DataError, check_splits
     from pipeline.data.synthetic import is_synthetic
 
     path = cfg.data.path

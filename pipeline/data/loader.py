@@ -24,10 +24,13 @@ Batches go out as uint8; the training loop normalises on the device::
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 import signal
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -54,9 +57,50 @@ from .shards import (  # re-exported: callers import the dataset API from here
     _stop,
     read_info,
 )
+from .synthetic import is_synthetic
+from .synthetic import read_info as synthetic_info
 
-__all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "normalize", "DataError",
+__all__ = ["Info", "SplitInfo", "read_info", "check_splits", "TrainLoader", "EvalLoader", "normalize", "DataError",
            "SKIP_REASONS"]
+
+
+# ── Before a run starts ─────────────────────────────────────────────────────────────────────────────
+_HINTS = {
+    "data.val_split": "re-run vitp prep with --val-fraction or set data.val_split= (no evaluation)",
+    "data.train_split": "set data.train_split to one of those, or re-run vitp prep",
+}
+
+
+def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None:
+    """Every split a run will read is in the dataset, before anything starts (submission, stage start).
+
+    ``splits``: config key → split name, e.g. ``{"data.train_split": "train", "data.val_split": "val"}``;
+    a None/empty name (no evaluation) is not read and not checked. Reads only ``_info.json`` (or the
+    synthetic spec). Raises DataError with one line naming the key, the file and what to do::
+
+        data.val_split: 'val' not in SHARDS/_info.json (has: train); re-run vitp prep with --val-fraction ...
+    """
+
+    want = {k: v for k, v in splits.items() if v}
+    if is_synthetic(str(path)):
+        where = f"data.path {path}"
+        has = {k: sp.num_samples for k, sp in synthetic_info(str(path)).splits.items()}
+    else:
+        f = Path(path) / "_info.json"
+        if not f.is_file():
+            raise DataError(f"data.path: {f} not found (not a `vitp prep` output, or prep not finished)")
+        try:
+            raw = json.loads(f.read_text(encoding="utf-8"))
+            has = {str(k): len((sp or {}).get("filenames") or ()) for k, sp in (raw.get("splits") or {}).items()}
+        except (OSError, ValueError, AttributeError) as e:
+            raise DataError(f"data.path: {f} is not a valid _info.json ({e})") from None
+        where = str(f)
+    for key, name in want.items():
+        hint = _HINTS.get(key, "re-run vitp prep or pick another split")
+        if name not in has:
+            raise DataError(f"{key}: {name!r} not in {where} (has: {', '.join(has) or 'none'}); {hint}")
+        if not has[name]:
+            raise DataError(f"{key}: {name!r} in {where} is empty; {hint}")
 
 
 

@@ -100,13 +100,13 @@ def _pause(step: int) -> None:
     noted = False
     while not release.exists():  # waiting for the test, which holds the release file
         if not noted and stopping.stop_reason() is not None:
-            _atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
+            atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
             noted = True
         if time.monotonic() > deadline:
             raise TimeoutError(f"VITP_TEST_PAUSE_FILE: {release} not created within the timeout")
         time.sleep(0.02)
     if not noted and stopping.stop_reason() is not None:
-        _atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
+        atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from pipeline.data.shards import (
     _Counts,
     _read_shard,
     _segments,
-    check_splits,
     iter_tar,
     read_info,
 )
@@ -99,6 +98,8 @@ def test_read_info_errors(tmp_path):
 
 
 def test_check_splits_names_key_file_and_remedy(tmp_path):
+    from pipeline.data.loader import check_splits
+
     write_dataset(tmp_path, {"train": [3, 2]})  # `vitp prep` without --val-fraction: no val split
     check_splits(tmp_path, {"data.train_split": "train", "data.val_split": None})  # no evaluation: fine
     with pytest.raises(DataError) as e:
@@ -115,7 +116,7 @@ def test_check_splits_names_key_file_and_remedy(tmp_path):
     with pytest.raises(DataError, match=r"^data.path: .*nowhere/_info.json not found"):
         check_splits(tmp_path / "nowhere", {"data.train_split": "train"})
     check_splits("synthetic:val=4", {"data.train_split": "train", "data.val_split": "val"})
-    with pytest.raises(DataError, match="^data.val_split: 'val' in data.path synthetic:val=0 is empty"):
+    with pytest.raises(DataError, match=r"^data.val_split: 'val' not in data.path synthetic:val=0 \(has: train\)"):
         check_splits("synthetic:val=0", {"data.val_split": "val"})
 
 

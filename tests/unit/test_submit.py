@@ -40,7 +40,8 @@ def test_slurm_parameters_from_resources_file():
         "name": cfg.cluster.job_name, "nodes": 4, "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 12,
         "mem_gb": 960.0, "timeout_min": 90, "slurm_partition": "gpu", "slurm_account": "vision",
         "slurm_qos": "high", "slurm_exclusive": True, "slurm_signal_delay_s": 300,
-        "slurm_additional_parameters": {"requeue": True, "mail-type": "END"}}
+        "slurm_additional_parameters": {"requeue": True, "mail-type": "END"},
+        "slurm_setup": ["export SRUN_CPUS_PER_TASK=12"]}  # srun inherits --cpus-per-task on every version
 
 
 def test_slurm_parameters_render_to_sbatch(tmp_path):

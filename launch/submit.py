@@ -109,8 +109,9 @@ def check_cluster(cfg, cluster: str) -> None:
 
 def splits_read(cfg, stage: str) -> dict[str, str | None]:
     """Config key → split name for every split the stage reads: training stages read the train split
-    and, when data.val_split is set, the val split (periodic and final evaluation); eval the val split."""
-    val = {"data.val_split": cfg.data.val_split}
+    and, when data.val_split is set, the val split (periodic and final evaluation; transfer's final
+    evaluation reads 'val' even then, see pipeline/transfer.py); eval reads the val split."""
+    val = {"data.val_split": cfg.data.val_split or ("val" if stage == "transfer" else None)}
     return val if stage == "eval" else {"data.train_split": cfg.data.train_split, **val}
 
 

@@ -112,6 +112,9 @@ def test_check_data(tmp_path, capsys):
         check_data(cfg(f"data.path={tmp_path}"), "eval")
     with pytest.raises(SubmitError, match="^data.train_split: 'big' not in"):
         check_data(cfg(f"data.path={tmp_path}", "data.train_split=big", "data.val_split="), "pretrain")
+    check_data(cfg(f"data.path={tmp_path}", "data.val_split="), "pretrain")
+    with pytest.raises(SubmitError, match=r"^data.val_split: 'val' not in"):  # transfer's final eval reads val
+        check_data(cfg(f"data.path={tmp_path}", "data.val_split="), "transfer")
     # one shard for 2 ranks x 2 workers: the loader splits samples, so no refusal and, locally, no warning
     check_data(cfg(f"data.path={tmp_path}", "data.val_split=", "data.workers=2"), "pretrain")
     assert capsys.readouterr().err == ""

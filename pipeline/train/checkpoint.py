@@ -77,13 +77,33 @@ def _atomic_write(path: Path, text: str) -> None:
 def maybe_fault(event: str, step: int) -> None:
     """SIGKILL this rank when a test asks for it: VITP_TEST_KILL_AT_STEP=k (before step k runs) or
     VITP_TEST_KILL_DURING_SAVE=k (after writing checkpoint k's files, before publishing it), on rank
-    VITP_TEST_KILL_RANK (default 1). Costs one dict lookup when unset."""
+    VITP_TEST_KILL_RANK (default 1). Costs one dict lookup when unset.
+
+    VITP_TEST_WAIT_AT_STEP=k with VITP_TEST_WAIT_FILE=PATH: before step k, every rank holds until
+    PATH exists (rank 0 first writes PATH.waiting), so a test can act at a step it chooses
+    (stop a server, send a signal) instead of racing the machine's speed."""
+    if event == "step":
+        _maybe_wait(step)
     var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE"}[event]
     at = os.environ.get(var)
     if at is None or int(at) != step:
         return
     if int(os.environ.get("RANK", 0)) == int(os.environ.get("VITP_TEST_KILL_RANK", 1)):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _maybe_wait(step: int, timeout_s: float = 600.0) -> None:
+    at = os.environ.get("VITP_TEST_WAIT_AT_STEP")
+    if at is None or int(at) != step:
+        return
+    release = Path(os.environ["VITP_TEST_WAIT_FILE"])
+    if int(os.environ.get("RANK", 0)) == 0:
+        release.with_name(release.name + ".waiting").write_text(f"{step}\n")
+    deadline = time.monotonic() + timeout_s
+    while not release.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"VITP_TEST_WAIT_FILE {release} did not appear within {timeout_s:g}s")
+        time.sleep(0.05)  # a test hook polling for the test's go-ahead file
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,8 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.distributed import RendezvousError, init_process_group, port_free, rendezvous_port
-from pipeline.distributed import free_port
+from pipeline.distributed import DistEnv, RendezvousError, free_port, init_process_group, port_free, rendezvous_port
 from launch.preempt import job_dist_env
 from launch.submit import (
     SubmitError,
@@ -126,9 +125,45 @@ def test_job_dist_env_from_submitit_environment():
     assert job_dist_env(local, environ={}).master_addr == "127.0.0.1"
 
 
-def test_rendezvous_port_clash_is_a_clear_error():
-    from pipeline.distributed import DistEnv
+SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+              "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]"}
 
+
+@pytest.mark.parametrize("restart", [0, 1])
+def test_dist_env_from_slurm_variables_agrees_with_the_job_launcher(restart):
+    """A task started by srun alone (no launcher variables) reads rank/world/master from SLURM_*; a task
+    started by submitit derives them in launch.preempt.job_dist_env. For the same job they must agree,
+    the port above all: ranks that derive different ports never meet."""
+    from pipeline.distributed import dist_env
+
+    env = {**SLURM_TASK, "SLURM_RESTART_COUNT": str(restart)}
+    d = dist_env(env)
+    assert (d.rank, d.world_size, d.local_rank, d.local_world_size) == (5, 8, 1, 4)
+    assert d.master_addr == "gpu07" and d.source == "slurm"
+    assert d.master_port == 20000 + (4242 * 7 + restart) % 20000  # 29694 + restart
+    je = SimpleNamespace(num_tasks=8, num_nodes=2, global_rank=5, local_rank=1, job_id="4242", cluster="slurm",
+                         hostnames=["gpu07", "gpu08"])
+    j = job_dist_env(je, environ={"SLURM_RESTART_COUNT": str(restart)})
+    assert (j.rank, j.world_size, j.local_rank, j.local_world_size, j.master_addr, j.master_port) == (
+        d.rank, d.world_size, d.local_rank, d.local_world_size, d.master_addr, d.master_port)
+
+
+def test_dist_env_precedence_and_defaults():
+    from pipeline.distributed import dist_env
+
+    # a launcher's variables win over SLURM's (torchrun inside an allocation)
+    launcher = {**SLURM_TASK, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "1234"}
+    d = dist_env(launcher)
+    assert (d.rank, d.world_size, d.local_rank, d.master_addr, d.master_port, d.source) == (
+        1, 2, 0, "10.0.0.9", 1234, "env")
+    # SLURM without SLURM_NTASKS_PER_NODE: tasks spread evenly; MASTER_* exported by a site script win
+    no_per_node = {k: v for k, v in SLURM_TASK.items() if k != "SLURM_NTASKS_PER_NODE"}
+    d = dist_env({**no_per_node, "MASTER_ADDR": "gpu08", "MASTER_PORT": "2345"})
+    assert (d.local_world_size, d.master_addr, d.master_port) == (4, "gpu08", 2345)
+    assert dist_env({}) == DistEnv()  # no launcher, no SLURM: one process
+
+
+def test_rendezvous_port_clash_is_a_clear_error():
     with socket.socket() as s:
         s.bind(("", 0))
         s.listen()

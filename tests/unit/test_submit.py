@@ -85,6 +85,68 @@ def test_parse_sweep(tmp_path):
         parse_sweep(["optim.lr"])
 
 
+SUBMIT = ["pretrain", "--config", TINY, "--cluster", "local", "data.path=synthetic", "cluster.tasks_per_node=1"]
+
+
+def test_dry_run_checks_every_sweep_task_prints_sbatch_parameters_and_submits_nothing(tmp_path, capsys):
+    from launch.submit import submit_main
+
+    jobs, run = tmp_path / "jobs", tmp_path / "run"
+    where = [f"cluster.log_dir={jobs}", f"run.dir={run}"]
+    assert submit_main([*SUBMIT, *where, "--dry-run", "--sweep", "optim.lr=1e-3,3e-4"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    want = slurm_parameters(load_submit_config(TINY, ["data.path=synthetic", "cluster.tasks_per_node=1", *where]))
+    assert printed == want and printed["tasks_per_node"] == 1 and printed["nodes"] == 1
+    # one bad task in the sweep fails the whole submission, before anything is queued
+    assert submit_main([*SUBMIT, *where, "--dry-run", "--sweep", "train.micro_batch=16,7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.global_batch: 32 is not divisible") and len(err.splitlines()) == 1
+    assert not jobs.exists() and not run.exists()  # no index, no job folder, no run dir
+
+
+def record_stage(cfg) -> dict:
+    """A stand-in stage for the sweep test: records what its task was given."""
+    import os
+
+    run = Path(cfg.run.dir)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "seen.json").write_text(json.dumps({"lr": cfg.optim.lr, "steps": cfg.train.steps,
+                                               "tags": json.loads(os.environ["VITP_MLFLOW_TAGS"])}))
+    return {"status": "completed", "step": cfg.train.steps, "run_dir": str(run)}
+
+
+def test_sweep_and_sweep_file_submit_one_array_task_each(tmp_path, capsys, monkeypatch):
+    """--sweep x --sweep-file rows: one array task each, its own run dir (base/SWEEP_ID/i unless the row
+    names one), its own resolved config, and the sweep's MLflow tags."""
+    from launch.jobs import read_index, wait
+    from launch.submit import submit_main
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the tasks import this module for record_stage
+    jobs, run, own = tmp_path / "jobs", tmp_path / "run", tmp_path / "own"
+    rows = tmp_path / "sweep.yaml"
+    rows.write_text(f"- {{train.steps: 3}}\n- {{train.steps: 5, run.dir: {own}}}\n")
+    argv = [*SUBMIT, f"cluster.log_dir={jobs}", f"run.dir={run}", "--sweep", "optim.lr=0.002",
+            "--sweep-file", str(rows)]
+    assert submit_main(argv, target="tests.unit.test_submit:record_stage") == 0
+    out = capsys.readouterr().out.splitlines()
+    entries = read_index(jobs)
+    assert len(entries) == 2 and len({e["sweep"] for e in entries}) == 1
+    sweep = entries[0]["sweep"]
+    assert out[0].startswith("job ") and [ln.split()[1] for ln in out[1:]] == [e["job_id"] for e in entries]
+    states = wait(entries, poll_s=0.5, timeout_s=300)
+    assert list(states.values()) == ["COMPLETED", "COMPLETED"], states
+    dirs = [run / sweep / "0", own]
+    assert [e["run_dir"] for e in entries] == [str(d) for d in dirs]
+    for i, (d, steps) in enumerate(zip(dirs, (3, 5))):
+        seen = json.loads((d / "seen.json").read_text())
+        assert (seen["lr"], seen["steps"]) == (0.002, steps)
+        assert seen["tags"] == {"sweep": sweep, "sweep_index": str(i),
+                                "sweep_overrides": f"optim.lr=0.002 train.steps={steps}"
+                                + ("" if i == 0 else f" run.dir={own}")}
+        resolved = (Path(entries[i]["folder"]) / "config.yaml").read_text()
+        assert f"steps: {steps}" in resolved and "lr: 0.002" in resolved
+
+
 @pytest.mark.parametrize("n,tasks", [(10, 3), (3, 3), (2, 5), (7, 1), (100, 16)])
 def test_split_shards_covers_plan(n, tasks):
     ranges = split_shards(n, tasks)

@@ -122,7 +122,7 @@ def test_zero2_trains_and_writes_outputs(reference):
 def test_zero_stages_agree(reference, tmp_path, stage):
     """Losses and weights, by value: ZeRO-1 over 4 steps against ZeRO-2's step-4 checkpoint, ZeRO-3
     over 6 steps against ZeRO-2's final weights (each consolidated from its own partitions)."""
-    from pipeline.train.checkpoint import load_checkpoint_weights
+    from pipeline.weights import load_checkpoint_weights
 
     ref = reference(2)
     if stage == 3:
@@ -153,11 +153,11 @@ def build_init() -> dict[str, torch.Tensor]:
     if not _INIT:
         from pipeline.config import load_config
         from pipeline.model import build_vit
-        from pipeline.pretrain import model_kwargs  # the lead moves it with the stage rewrite
+        from pipeline.weights import model_kwargs
 
         cfg = load_config(TINY, SYNTHETIC, world_size=2)
         torch.manual_seed(cfg.seed)
-        _INIT.update(build_vit(cfg.model.name, **model_kwargs(cfg, 10)).state_dict())
+        _INIT.update(build_vit(cfg.model.name, **model_kwargs(cfg.model, 10)).state_dict())
     return _INIT
 
 
@@ -206,7 +206,7 @@ def test_mixup_cutmix_soft_targets_through_the_stage(reference, shards, tmp_path
     """data.mixup/cutmix over prep's shards: finite losses, and a run that differs from the same run
     without mixing (which would be bit-identical: see the resume tests). Step 1 is ln 4 in both: the
     zero-initialised head gives every class logit 0, and soft targets sum to 1."""
-    from pipeline.train.checkpoint import load_checkpoint_weights
+    from pipeline.weights import load_checkpoint_weights
 
     ref = reference(2, shards)
     assert pretrain(tmp_path, "train.steps=4", "data.mixup=0.8", "data.cutmix=1.0", data=shards) == 0

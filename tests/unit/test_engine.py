@@ -104,7 +104,7 @@ def test_lr_scale_scales_the_update_as_layer_wise_decay(one_rank):
     lr x decay^(depth - i), patch embedding / class token / pos-emb by decay^(depth + 1), final norm and
     head by lr. (One engine per process: DeepSpeed keeps its process groups in module globals.)"""
     from pipeline.model import build_vit
-    from pipeline.transfer import param_groups_layer_decay
+    from pipeline.train.engine import param_groups_layer_decay
 
     torch.manual_seed(0)
     depth, decay, lr = 3, 0.5, 0.1

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import Config
+from pipeline.data.loader import check_splits
 from pipeline.distributed import rank0_print
 from pipeline.eval.classify import evaluate_model, write_results
 from pipeline.train.engine import param_groups_layer_decay
@@ -66,5 +67,6 @@ def transfer(cfg: Config) -> Result:
                                       registered_name=cfg.tracking.register_name)
         rank0_print(f"transfer: val top1 {res[split + '/top1']:.4f}  top5 {res[split + '/top5']:.4f}  -> {path}")
 
+    check_splits(cfg.data.path, {"data.val_split": cfg.data.val_split or "val"})  # publish scores it
     return train(cfg, build, stage="transfer", finish=publish,
                  param_groups=lambda m: param_groups_layer_decay(m, cfg.optim.layer_decay, cfg.optim.weight_decay))

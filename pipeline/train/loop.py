@@ -30,6 +30,7 @@ import torch
 
 from pipeline import data as data_lib
 from pipeline.config import Config, flatten, to_yaml, write_resolved
+from pipeline.data.loader import check_splits
 from pipeline.distributed import all_reduce, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval.classify import classify
 from pipeline.eval.figures import loss_curve_png
@@ -253,8 +254,9 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     run_dir = Path(cfg.run.dir)
     resume_from = prepare_run_dir(cfg, rank)
     source = data_lib.source_for(cfg.data.path)
-    for split in filter(None, {cfg.data.train_split, cfg.data.val_split}):
-        source.read_info(cfg.data.path).split(split)  # a missing split fails now, not after training
+    # a missing split fails now, in one line, not after the last step
+    check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split})
+    source.read_info(cfg.data.path)  # the shards it names exist
 
     # model: identical initialisation on every rank, then per-rank randomness (dropout)
     torch.manual_seed(cfg.seed)

@@ -1,19 +1,14 @@
 """MLflow tracking that never slows or stops training: the only module that imports mlflow.
 
 Rank 0 gets a :class:`Tracker`; other ranks get a :class:`NullTracker` with the same methods.
-Calls only enqueue; one background thread turns the queue into requests (metrics in ``log_batch``
-calls of up to 1000). Every record is an op in one ordered list: ``run`` (create or continue a run,
-found again by its ``vitp_run_key`` tag, so a retried create never makes two), ``metric``,
-``tags``, ``inputs`` (dataset inputs), ``artifact``, ``table``, ``end`` (the run's final status).
-When the server is down or slow, ops wait in memory (a warning says so) and go out when it returns;
-on close, whatever is still undelivered after ``tracking.close_timeout_s`` is appended to
-``RUN_DIR/mlflow_spool.jsonl``. ``vitp sync RUN_DIR`` (:func:`sync`) delivers a spool later, and
-so does the next tracker in that run dir. Re-sent records land once: a metric keeps its timestamp
-(the store ignores an identical point), tags, inputs and artifacts overwrite themselves.
-
-Runs carry MLflow's standard tags (``mlflow.source.name``, ``.source.git.commit``, ``mlflow.user``),
-their datasets as dataset inputs, and system metrics (``system/...``) sampled by MLflow's own
-monitors: CPU, memory, disk, network, and GPUs where NVML (``nvidia-ml-py``) finds any.
+Calls only enqueue ops (``run``: create or continue a run, found again by its ``vitp_run_key`` tag;
+``metric``, ``tags``, ``inputs``, ``artifact``, ``table``, ``end``); one background thread sends
+them in order. While the server is down they wait in memory (a warning says so); what is still
+undelivered ``tracking.close_timeout_s`` after the end goes to ``RUN_DIR/mlflow_spool.jsonl``,
+which ``vitp sync RUN_DIR`` (:func:`sync`) or the next job in that run dir delivers. A re-sent
+record lands once: a metric keeps its timestamp (the store drops an identical point), the rest
+overwrite themselves. Runs carry MLflow's standard source tags, their datasets as dataset inputs,
+and ``system/...`` metrics from MLflow's own monitors (GPUs where NVML, ``nvidia-ml-py``, finds any).
 
 Default store: ``sqlite:///RUN_DIR/mlflow.db`` (artifacts in RUN_DIR/mlartifacts);
 ``$MLFLOW_TRACKING_URI`` or ``tracking.uri`` point elsewhere (e.g. ``http://127.0.0.1:5000``).
@@ -458,24 +453,20 @@ class _SystemMetrics:
 def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60.0) -> dict:
     """Deliver ``RUN_DIR/mlflow_spool.jsonl``: each record once, each run ended as it ended.
 
-    -> {"delivered": n, "left": n (kept in the spool), "runs": {run_id: status}, "uri": uri}. The
-    server comes from the spool (``uri`` overrides); raises FileNotFoundError for a missing run dir.
+    -> {"delivered": n, "left": n (kept in the spool), "runs": {run_id: status}, "uri": uri, "error"}.
+    The server comes from the spool (``uri`` overrides).
     """
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir}: no such run directory")
-    d = _Delivery(uri or "", run_dir)
-    ops = d._claim_spool()
-    if not ops:
-        return {"delivered": 0, "left": 0, "runs": {}, "uri": uri}
-    d.uri = uri or next((o["uri"] for o in reversed(ops) if o["op"] == "run" and o.get("uri")), None) or ""
-    if not d.uri:
-        d._pending = ops
-        d._write_spool(None)
-        raise ValueError(f"{run_dir / SPOOL}: names no tracking server; pass --uri")
     from mlflow.exceptions import RestException
 
-    d._pending, deadline, err = ops, time.monotonic() + timeout, None
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    d = _Delivery(uri or "", run_dir)
+    d._pending = ops = d._claim_spool()
+    d.uri = uri or next((o["uri"] for o in reversed(ops) if o["op"] == "run" and o.get("uri")), "")
+    if ops and not d.uri:
+        d._write_spool(None)
+        raise ValueError(f"{d._spool}: names no tracking server; pass --uri")
+    deadline, err = time.monotonic() + timeout, None
     while d._pending and time.monotonic() < deadline:
         try:
             d._deliver()
@@ -485,17 +476,10 @@ def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60
         except Exception as e:  # unreachable: keep trying until the deadline
             err = e
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
-    sent = d._delivered
     left = d._write_spool(None if not d._pending or d._pending[0]["op"] == "run" else
                           {"op": "run", "run_key": d._pending[0].get("run_key"), "uri": d.uri})
-    runs = {}
-    if sent and d._client is not None:
-        for rid in set(d._runs.values()) | {o["run_id"] for o in ops if o.get("run_id")}:
-            try:
-                runs[rid] = d._client.get_run(rid).info.status
-            except Exception:  # noqa: BLE001 - a report, not a result
-                runs[rid] = "unknown"
-    return {"delivered": sent, "left": left, "runs": runs, "uri": d.uri,
+    runs = {rid: d._client.get_run(rid).info.status for rid in set(d._runs.values())} if not left else {}
+    return {"delivered": d._delivered, "left": left, "runs": runs, "uri": d.uri,
             "error": f"{type(err).__name__}: {str(err)[:200]}" if left and err else None}
 
 

@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "jobs": ("launch.submit:jobs_main", "list submitted jobs", "vitp jobs"),
     "logs": ("launch.submit:logs_main", "show a job's logs", "vitp logs 1234 --rank 0 --follow"),
     "cancel": ("launch.submit:cancel_main", "cancel a job", "vitp cancel 1234"),
+    "sync": ("launch.sync:sync_main", "deliver a run's undelivered MLflow records and finish its run",
+             "vitp sync runs/pre"),
     "demo": ("launch.demo:main", "the whole pipeline on scikit-learn's digits, on this machine",
              "vitp demo --out runs/demo"),
     "config": ("launch.cli:config_main", "show the resolved config",

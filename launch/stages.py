@@ -120,6 +120,9 @@ def print_eval(res) -> None:
         rank0_print(res.fewshot_text)
     if res.results:
         rank0_print(f"results: {res.results}")
+    if res.mlflow_run_id:
+        rank0_print(f"mlflow run: {res.mlflow_run_id}"
+                    + (f" (nested under {res.mlflow_parent_run_id})" if res.mlflow_parent_run_id else ""))
 
 
 def eval_main(argv: list[str]) -> int:

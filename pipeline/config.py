@@ -140,6 +140,11 @@ class TrackingCfg:
     experiment: str = "vitp"
     register_name: str | None = None  # Model Registry name for the final model
     flush_every_s: float = _f(2.0, positive=True)
+    # at the end of a run, how long to wait for an unreachable server before spooling what is left
+    # (then `vitp sync RUN_DIR` delivers it); a stopped (requeued) job waits at most 10 s
+    close_timeout_s: float = _f(120.0, lo=0.0)
+    system_metrics: bool = True  # CPU, memory, disk, network, GPU (NVML) as system/... on rank 0
+    system_metrics_every_s: float = _f(10.0, positive=True)
 
 
 @dataclass

@@ -4,19 +4,29 @@ Scores the checkpoint ``cfg.eval.checkpoint`` on ``cfg.data.path``: top-1/top-5,
 and the confusion matrix on ``cfg.eval.split``; few-shot linear evaluation and a linear probe on
 frozen features fitted on ``cfg.data.train_split``. Under a launcher every rank scores its own part
 of the split; rank 0 writes ``results.json`` (keys ``eval/...``) and the artifacts.
+
+MLflow: the evaluation is a run of its own, nested under the run that wrote the checkpoint (the
+checkpoint's manifest names it and its store), with the splits as dataset inputs, the metrics
+(``test/top1``, ``fewshot/10shot``, ``linear_probe/top1``, ...) at the checkpoint's step, the
+per-class table and the confusion figure. A checkpoint without a run logs a top-level run when
+``$MLFLOW_TRACKING_URI`` is set, and nothing otherwise.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from pipeline.config import Config, ConfigError
-from pipeline.data import DataError, read_info
+from pipeline.config import Config, ConfigError, flatten
+from pipeline.data import DataError, dataset_inputs, read_info
 from pipeline.distributed import choose_accelerator, comm_device, dist_env, export_env, init_process_group
 from pipeline.eval.classify import evaluate_model, write_results
+from pipeline.train import checkpoint as ckpt_lib
+from pipeline.train.tracking import NullTracker, start_tracking
 from pipeline.weights import load_model
 
 
@@ -26,6 +36,34 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)
     results: str | None = None  # results.json (rank 0)
     fewshot_text: str | None = None
+    mlflow_run_id: str | None = None  # the evaluation's own run (rank 0)
+    mlflow_parent_run_id: str | None = None  # the evaluated run it is nested under
+
+
+@dataclass
+class EvaluatedRun:
+    """What the checkpoint's manifest says about the run that wrote it (all None for a bare file)."""
+
+    run_id: str | None = None
+    uri: str | None = None
+    experiment: str | None = None
+    step: int = 0
+
+
+def evaluated_run(checkpoint: str | os.PathLike) -> EvaluatedRun:
+    """The MLflow run (and its store) of a run dir, a checkpoint folder or a run dir's model.safetensors."""
+    p = Path(checkpoint)
+    run_dir = p.parent.parent if (p / ckpt_lib.MANIFEST).is_file() else p if p.is_dir() else p.parent
+    ck = p if (p / ckpt_lib.MANIFEST).is_file() else ckpt_lib.latest_checkpoint(run_dir)
+    if ck is None:
+        return EvaluatedRun()
+    man = ckpt_lib.read_manifest(ck)
+    conf = man.get("config") or {}
+    uri = man.get("mlflow_uri") or conf.get("tracking.uri") or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri is None or (uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()):
+        local = run_dir / "mlflow.db"  # the default store, or the run dir moved since
+        uri = f"sqlite:///{local.resolve()}" if local.is_file() else None
+    return EvaluatedRun(man.get("mlflow_run_id"), uri, conf.get("tracking.experiment"), int(man.get("step") or 0))
 
 
 def default_out(checkpoint: str) -> Path:
@@ -54,13 +92,43 @@ def evaluate(cfg: Config) -> EvalResult:
         device = torch.device(kind)
     model = load_model(e.checkpoint, variant=e.variant, img_size=e.img_size).to(device)
     out_dir = Path(e.out) if e.out else default_out(e.checkpoint)
-    res = evaluate_model(model, cfg.data, split=e.split, batch=e.batch, device=device, classify_split=e.top1,
-                         fewshot_cfg=e if e.fewshot else None, linear_probe=e.linear_probe, out_dir=out_dir,
-                         train_split=cfg.data.train_split, max_train_images=e.max_train_images,
-                         autocast=torch.bfloat16 if device.type == "cuda" else None)
+    tracker, parent = _start_tracking(cfg, out_dir, d.rank, d.world_size)
+    try:
+        res = evaluate_model(model, cfg.data, split=e.split, batch=e.batch, device=device, classify_split=e.top1,
+                             fewshot_cfg=e if e.fewshot else None, linear_probe=e.linear_probe, out_dir=out_dir,
+                             train_split=cfg.data.train_split, max_train_images=e.max_train_images,
+                             autocast=torch.bfloat16 if device.type == "cuda" else None)
+    except BaseException:
+        tracker.close(timeout=10.0, status="FAILED")
+        raise
     text = res.pop("fewshot_text", None)
     metrics = {k: v for k, v in res.items() if isinstance(v, float)}
     path = None
     if d.rank == 0:
         path = str(write_results({f"eval/{k}": v for k, v in res.items()}, out_dir))
-    return EvalResult("completed", metrics, path, text)
+        tracker.log_metrics(metrics, parent.step)
+        for a in res.get("artifacts", []):
+            if Path(a).name.startswith("per_class_"):  # MLflow's table format: the UI shows a table
+                tracker.log_table(json.loads(Path(a).read_text()), Path(a).name)
+            else:
+                tracker.log_artifact(a)
+        tracker.log_artifact(path)
+        tracker.close(timeout=cfg.tracking.close_timeout_s, status="FINISHED")
+    return EvalResult("completed", metrics, path, text, tracker.run_id, parent.run_id)
+
+
+def _start_tracking(cfg: Config, out_dir: Path, rank: int, world: int) -> tuple[NullTracker, EvaluatedRun]:
+    """The evaluation's run (rank 0): under the evaluated run when there is one; else top-level when
+    $MLFLOW_TRACKING_URI is set; else none."""
+    e, parent = cfg.eval, evaluated_run(cfg.eval.checkpoint)
+    uri = parent.uri if parent.run_id else os.environ.get("MLFLOW_TRACKING_URI")
+    if rank != 0 or not uri or not cfg.tracking.enabled:
+        return NullTracker(), parent
+    splits = {e.split: "evaluation", **({cfg.data.train_split: "training"} if e.fewshot or e.linear_probe else {})}
+    tracker = start_tracking(cfg, out_dir, rank=rank, world_size=world, stage="eval", uri=uri,
+                             parent_run_id=parent.run_id, run_name=f"eval-{e.split}",
+                             experiment=parent.experiment or cfg.tracking.experiment,
+                             params={k: v for k, v in flatten(cfg).items() if k.startswith(("eval.", "data."))},
+                             datasets=dataset_inputs(cfg.data.path, splits))
+    tracker.set_tags({"vitp.checkpoint": str(Path(e.checkpoint).resolve()), "vitp.eval_split": e.split})
+    return tracker, parent

@@ -62,7 +62,8 @@ def transfer(cfg: Config) -> Result:
         run.tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, run.result.step)
         for a in [path, *res.get("artifacts", [])]:
             run.tracker.log_artifact(a)
-        example = torch.zeros(1, 3, cfg.model.img_size, cfg.model.img_size).numpy()
+        # two images: the logged program's batch dimension stays dynamic (a batch of 1 would fix it)
+        example = torch.zeros(2, 3, cfg.model.img_size, cfg.model.img_size).numpy()
         run.tracker.log_model_pytorch(final.cpu().eval(), input_example=example,
                                       registered_name=cfg.tracking.register_name)
         rank0_print(f"transfer: val top1 {res[split + '/top1']:.4f}  top5 {res[split + '/top5']:.4f}  -> {path}")

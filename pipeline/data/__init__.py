@@ -12,6 +12,9 @@ augment.py holds the image transforms; synthetic.py is an in-memory set for test
 
 from __future__ import annotations
 
+import json
+import os
+
 from pipeline.data.shards import DataError, Info, SplitInfo
 
 
@@ -37,4 +40,30 @@ def num_classes(data_cfg, model_classes: int = 0) -> int:
     return model_classes or read_info(data_cfg.path).num_classes
 
 
-__all__ = ["DataError", "Info", "SplitInfo", "num_classes", "read_info", "source_for"]
+def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
+    """What a run read, as MLflow dataset inputs: one per split (``contexts``: split -> "training" |
+    "evaluation"; None or missing splits are left out). The folder is the source, prep's plan id (or a
+    content hash) the digest, split/sample/class/shard counts the profile."""
+    from pipeline.data import synthetic
+
+    info = read_info(path)
+    if synthetic.is_synthetic(path):
+        base, source = "synthetic", ("synthetic", json.dumps({"spec": str(path)}))
+    else:
+        base = os.path.basename(os.path.normpath(str(path)))
+        source = ("local", json.dumps({"uri": os.path.abspath(path)}))
+    schema = json.dumps({"mlflow_colspec": [{"type": "binary", "name": "image", "required": True},
+                                            {"type": "long", "name": "label", "required": True}]})
+    out = []
+    for split, context in contexts.items():
+        if not split or split not in info.splits:
+            continue
+        sp = info.splits[split]
+        profile = {"split": split, "num_samples": sp.num_samples, "num_classes": info.num_classes,
+                   "num_shards": len(sp.urls)}
+        out.append({"name": f"{base}/{split}", "digest": info.digest, "source_type": source[0],
+                    "source": source[1], "schema": schema, "profile": json.dumps(profile), "context": context})
+    return out
+
+
+__all__ = ["DataError", "Info", "SplitInfo", "dataset_inputs", "num_classes", "read_info", "source_for"]

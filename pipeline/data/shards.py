@@ -11,6 +11,7 @@ Tar members are parsed here (ustar, pax and GNU long names; regular files only) 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -43,6 +44,7 @@ class Info:
     num_classes: int
     classes: tuple[str, ...]
     splits: dict[str, SplitInfo] = field(default_factory=dict)
+    digest: str = ""  # names this exact content: prep's plan id, else a hash of the description
 
     def split(self, name: str) -> SplitInfo:
         """The named split; an error naming the dataset if it is missing or empty."""
@@ -68,7 +70,8 @@ def read_info(path: str | os.PathLike) -> Info:
     if not f.is_file():
         raise DataError(f"{f}: not found (is data.path a `vitp prep` output folder, and did prep finish?)")
     try:
-        raw = json.loads(f.read_text(encoding="utf-8"))
+        text = f.read_text(encoding="utf-8")
+        raw = json.loads(text)
     except (OSError, ValueError) as e:
         raise DataError(f"{f}: unreadable ({e})") from None
     classes = raw.get("classes")
@@ -93,7 +96,8 @@ def read_info(path: str | os.PathLike) -> Info:
         raise DataError(f"{f}: no splits")
     if num_classes <= 0:
         raise DataError(f"{f}: num_classes is {num_classes}; need >= 1")
-    return Info(root, num_classes, classes, splits)
+    digest = str(raw.get("plan_id") or hashlib.sha256(text.encode("utf-8")).hexdigest()[:16])
+    return Info(root, num_classes, classes, splits, digest)
 
 
 def _count_samples(url: str) -> int:

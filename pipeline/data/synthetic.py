@@ -12,6 +12,7 @@ Batches follow one global order: optimizer step ``s`` consumes samples ``[s*G, (
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import torch
@@ -41,7 +42,8 @@ def read_info(path: str) -> Info:
     """The same description a `vitp prep` folder gives (no shard files: ``urls`` is empty)."""
     spec = parse_spec(path)
     splits = {s: SplitInfo(s, spec[s], (), ()) for s in ("train", "val") if spec[s] > 0}
-    return Info(str(path), spec["classes"], tuple(str(i) for i in range(spec["classes"])), splits)
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    return Info(str(path), spec["classes"], tuple(str(i) for i in range(spec["classes"])), splits, digest)
 
 
 def normalize(images: torch.Tensor) -> torch.Tensor:

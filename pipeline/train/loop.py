@@ -288,9 +288,11 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     if rank == 0:
         write_resolved(cfg, run_dir)
         history = keep_metrics_up_to(metrics_path, step)
+    datasets = {cfg.data.train_split: "training", cfg.data.val_split: "evaluation"}
     tracker = start_tracking(cfg, run_dir, rank=rank, world_size=world, stage=stage, run_id=run_id,
-                             run_key=run_key, params=flatten(cfg))  # logged only if a new run is made
-    close_timeout = min(60.0, max(5.0, 10 * cfg.tracking.flush_every_s))
+                             run_key=run_key, params=flatten(cfg),  # params: logged only if a new run is made
+                             datasets=data_lib.dataset_inputs(cfg.data.path, datasets) if rank == 0 else None)
+    close_timeout = cfg.tracking.close_timeout_s
     n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
     rank0_print(f"{stage}: {world} rank(s) on {device.type}, ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
                 f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} x {accum} accum x {world}, "
@@ -299,7 +301,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     def save(at_step: int) -> Path:
         manifest = {"config": flatten(cfg), "model_config": model.config, "zero_stage": cfg.engine.zero_stage,
                     "precision": cfg.engine.precision, "mlflow_run_id": tracker.run_id,
-                    "mlflow_run_key": tracker.run_key}
+                    "mlflow_run_key": tracker.run_key, "mlflow_uri": tracker.uri}
         shared = {f"ema/{k}": v for k, v in ema.state_dict().items()} if ema is not None else None
         return ckpt_lib.save(engine, run_dir, at_step, loader_state=loader.state_dict(), manifest=manifest,
                              keep=cfg.checkpoint.keep, shared=shared, train_state={"window": window.state_dict()})
@@ -315,7 +317,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
         """The agreed stop code; raises NonFiniteLoss (on every rank alike) before anything is saved."""
         stop, bad = agree.read(lag=lag)
         if bad is not None:
-            tracker.close(timeout=10.0)
+            tracker.close(timeout=10.0, status="FAILED")
             raise NonFiniteLoss(f"step {bad}: non-finite loss (lr {lr_for(cfg, bad - 1):.3g}); stopped before "
                                 f"saving it; last complete checkpoint: {ckpt_lib.latest_checkpoint(run_dir) or 'none'}")
         return stop
@@ -386,7 +388,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
             reason = "requeue" if stop == 2 else (stopping.stop_reason() or "cancel")
             path = save(step)
             rank0_print(f"stopping at step {step} ({reason}); checkpoint {path}")
-            tracker.close(timeout=close_timeout)
+            tracker.close(timeout=min(close_timeout, 10.0))  # the requeued job continues the run
             return Result("stopped", step, str(run_dir), reason=reason, loss=last.get("loss"),
                           mlflow_run_id=tracker.run_id)
         if do_save and step < cfg.train.steps:

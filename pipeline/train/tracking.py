@@ -1,10 +1,14 @@
 """MLflow tracking that never slows or stops training: the only module that imports mlflow.
 
 Rank 0 gets a :class:`Tracker`; other ranks get a :class:`NullTracker` with the same methods.
-Calls only enqueue; one background thread turns the queue into ``log_batch`` requests. When the
-server is down or slow, records wait in memory (a warning says so) and go out when it returns;
-on close, whatever is still undelivered after a bounded wait is appended to a spool file
-(``RUN_DIR/mlflow_spool.jsonl``) that the next tracker for that run dir delivers first.
+Calls only enqueue ops (``run``: create or continue a run, found again by its ``vitp_run_key`` tag;
+``metric``, ``tags``, ``inputs``, ``artifact``, ``table``, ``end``); one background thread sends
+them in order. While the server is down they wait in memory (a warning says so); what is still
+undelivered ``tracking.close_timeout_s`` after the end goes to ``RUN_DIR/mlflow_spool.jsonl``,
+which ``vitp sync RUN_DIR`` (:func:`sync`) or the next job in that run dir delivers. A re-sent
+record lands once: a metric keeps its timestamp (the store drops an identical point), the rest
+overwrite themselves. Runs carry MLflow's standard source tags, their datasets as dataset inputs,
+and ``system/...`` metrics from MLflow's own monitors (GPUs where NVML, ``nvidia-ml-py``, finds any).
 
 Default store: ``sqlite:///RUN_DIR/mlflow.db`` (artifacts in RUN_DIR/mlartifacts);
 ``$MLFLOW_TRACKING_URI`` or ``tracking.uri`` point elsewhere (e.g. ``http://127.0.0.1:5000``).
@@ -12,11 +16,13 @@ Default store: ``sqlite:///RUN_DIR/mlflow.db`` (artifacts in RUN_DIR/mlartifacts
 
 from __future__ import annotations
 
+import atexit
+import getpass
 import json
 import os
 import queue
 import socket
-import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -30,6 +36,8 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 SPOOL = "mlflow_spool.jsonl"
 _BATCH = 1000  # mlflow's limit of metrics per log_batch
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI opens on runs, not traces
+RUN_KEY_TAG = "vitp_run_key"
 
 
 def resolve_uri(cfg, run_dir: str | os.PathLike) -> str:
@@ -40,13 +48,20 @@ def resolve_uri(cfg, run_dir: str | os.PathLike) -> str:
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 
-def git_commit() -> str | None:
+def source_tags(stage: str) -> dict[str, str]:
+    """MLflow's standard source tags: what ran (``vitp STAGE``), which code, who, how started."""
+    from mlflow.utils.git_utils import get_git_branch, get_git_commit, get_git_repo_url
+
+    here = str(Path(__file__).resolve().parent)
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for this uid (some containers)
+        user = os.environ.get("USER", "unknown")
+    tags = {"mlflow.source.name": f"vitp {stage}", "mlflow.user": user,
+            "mlflow.source.type": "JOB" if os.environ.get("SLURM_JOB_ID") else "LOCAL",
+            "mlflow.source.git.commit": get_git_commit(here), "mlflow.source.git.branch": get_git_branch(here),
+            "mlflow.source.git.repoURL": get_git_repo_url(here)}
+    return {k: v for k, v in tags.items() if v}
 
 
 class NullTracker:
@@ -54,9 +69,12 @@ class NullTracker:
 
     run_id: str | None = None
     run_key: str | None = None
+    uri: str | None = None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
+    def log_table(self, rows: list[dict], artifact_file: str) -> None: ...
+    def log_inputs(self, datasets: list[dict]) -> None: ...
     def set_tags(self, tags: dict[str, Any]) -> None: ...
     def log_model_pytorch(self, model, input_example=None, registered_name: str | None = None) -> None: ...
     def flush(self, timeout: float = 30.0) -> bool:
@@ -64,39 +82,190 @@ class NullTracker:
     def close(self, timeout: float = 30.0, status: str | None = None) -> None: ...
 
 
-class Tracker(NullTracker):
-    """Asynchronous MLflow run. ``run_id`` given: continue that run (params are not logged again)."""
+class _Delivery:
+    """Ops -> MLflow requests, in order. ``_runs`` maps each run key met so far to its run id."""
+
+    def __init__(self, uri: str, spool_dir: str | os.PathLike):
+        self.uri = uri
+        self._spool = Path(spool_dir) / SPOOL
+        self._pending: list[dict] = []
+        self._delivered = 0  # ops sent so far, counted as they go (flush waits on it)
+        self._runs: dict[str, str] = {}
+        self._client = None
+        self._lock = threading.Lock()  # one mlflow request at a time (thread, log_model, close)
+        self._sys_next: int | None = None  # a continued run's next system-metrics step
+
+    def _claim_spool(self) -> list[dict]:
+        """Take the spool (a rename: of two claimers, one gets it) and return its ops."""
+        if not self._spool.is_file():
+            return []
+        mine = self._spool.with_name(f".{SPOOL}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(self._spool, mine)
+        except FileNotFoundError:
+            return []
+        ops = [json.loads(line) for line in mine.read_text().splitlines() if line.strip()]
+        mine.unlink()
+        return ops
+
+    def _write_spool(self, header: dict | None) -> int:
+        """Append the undelivered ops (run ids filled in where known); returns how many."""
+        ops = [dict(op, run_id=op.get("run_id") or self._runs.get(op.get("run_key"))) for op in self._pending]
+        if not ops:
+            return 0
+        with open(self._spool, "a") as f:
+            for op in ([header] if header else []) + ops:
+                f.write(json.dumps(op) + "\n")
+        self._pending = []
+        return len(ops)
+
+    def _connect(self):
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(self.uri)
+        return self._client
+
+    def _experiment(self, name: str, artifact_location: str | None) -> str:
+        c = self._client
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            return c.create_experiment(name, artifact_location=artifact_location, tags={KIND_TAG: KIND})
+        if KIND_TAG not in exp.tags:  # a kind the team set stays
+            c.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
+        return exp.experiment_id
+
+    def _open_run(self, op: dict) -> str:
+        """A ``run`` op: continue ``run_id``, or find the run by its key, or create it."""
+        from mlflow.entities import Param, RunTag
+        from mlflow.exceptions import MlflowException
+
+        c, key, tags = self._client, op["run_key"], dict(op.get("tags") or {})
+        if op.get("run_id"):
+            rid = op["run_id"]
+            if op.get("resume"):  # a new job continues the run: it runs again, with this job's tags
+                c.update_run(rid, status="RUNNING")
+                if tags:
+                    c.log_batch(rid, tags=[RunTag(k, v) for k, v in tags.items()])
+            return rid
+        exp_id, parent = None, op.get("parent_run_id")
+        if parent:
+            try:
+                exp_id = c.get_run(parent).info.experiment_id
+                tags["mlflow.parentRunId"] = parent
+                if KIND_TAG not in c.get_experiment(exp_id).tags:
+                    c.set_experiment_tag(exp_id, KIND_TAG, KIND)
+            except MlflowException as e:
+                if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                warnings.warn(f"MLflow run {parent} not found at {self.uri}; logging a top-level run", stacklevel=1)
+        exp_id = exp_id or self._experiment(op["experiment"], op.get("artifact_location"))
+        found = c.search_runs([exp_id], filter_string=f"tags.{RUN_KEY_TAG} = '{key}'", max_results=1)
+        if found:
+            return found[0].info.run_id
+        run = c.create_run(exp_id, run_name=op.get("run_name"), tags={**tags, RUN_KEY_TAG: key})
+        params = [Param(k, v) for k, v in (op.get("params") or {}).items()]
+        for i in range(0, len(params), 100):
+            c.log_batch(run.info.run_id, params=params[i:i + 100])
+        return run.info.run_id
+
+    def _deliver(self, limit: int | None = None) -> None:
+        """Send pending ops in order until none (or ``limit``) are left; raises when the server fails."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, RunTag
+
+        c, sent = self._connect(), 0
+        while self._pending and (limit is None or sent < limit):
+            op, n = self._pending[0], 1
+            if op["op"] == "run":
+                self._runs[op["run_key"]] = self._open_run(op)
+                self._opened(op)
+            rid = op.get("run_id") or self._runs.get(op.get("run_key")) or self._own_run_id()
+            if op["op"] == "metric":
+                n = 0
+                while (n < min(len(self._pending), _BATCH) and self._pending[n]["op"] == "metric"
+                       and self._pending[n].get("run_key") == op.get("run_key")
+                       and self._pending[n].get("run_id") == op.get("run_id")):
+                    n += 1
+                c.log_batch(rid, metrics=[Metric(o["key"], o["value"], o["ts"], o["step"]) for o in self._pending[:n]])
+            elif op["op"] == "artifact":
+                if Path(op["path"]).exists():
+                    c.log_artifact(rid, op["path"], op.get("artifact_path"))
+            elif op["op"] == "table":
+                self._send_table(rid, op)
+            elif op["op"] == "inputs":
+                c.log_inputs(rid, datasets=[DatasetInput(
+                    Dataset(d["name"], d["digest"], d["source_type"], d["source"], d.get("schema"), d.get("profile")),
+                    [InputTag("mlflow.data.context", d["context"])]) for d in op["datasets"]])
+            elif op["op"] == "end":
+                c.set_terminated(rid, op["status"], end_time=op.get("ts"))
+            elif op["op"] == "tags":
+                c.log_batch(rid, tags=[RunTag(k, v) for k, v in op["tags"].items()])
+            del self._pending[:n]
+            sent += n
+            self._delivered += n
+
+    def _send_table(self, rid: str, op: dict) -> None:
+        """A table in MLflow's own format (what ``log_table`` writes, so the UI shows it as a table),
+        uploaded whole: a re-send overwrites it rather than appending rows."""
+        rows = op["rows"]
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / Path(op["artifact_file"]).name
+            path.write_text(json.dumps({"columns": columns, "data": [[r.get(k) for k in columns] for r in rows]}))
+            folder = str(Path(op["artifact_file"]).parent)
+            self._client.log_artifact(rid, str(path), None if folder == "." else folder)
+        tag = "mlflow.loggedArtifacts"
+        logged = json.loads(self._client.get_run(rid).data.tags.get(tag, "[]"))
+        if not any(a.get("path") == op["artifact_file"] for a in logged):
+            self._client.set_tag(rid, tag, json.dumps([*logged, {"path": op["artifact_file"], "type": "table"}]))
+
+    def _opened(self, op: dict) -> None: ...
+
+    def _own_run_id(self) -> str | None:
+        return None
+
+
+class Tracker(_Delivery, NullTracker):
+    """Asynchronous MLflow run. ``run_id`` given: continue that run (params are not logged again).
+    ``parent_run_id``: nest the new run under that one, in its experiment.
+    ``system_metrics_every_s``: sample MLflow's system metrics that often (None: off)."""
 
     def __init__(self, uri: str, *, experiment: str, run_name: str, spool_dir: str | os.PathLike,
                  run_id: str | None = None, run_key: str | None = None,
                  params: dict[str, Any] | None = None, tags: dict[str, Any] | None = None,
-                 flush_every_s: float = 2.0, artifact_location: str | None = None):
-        self.uri, self.experiment, self.run_name = uri, experiment, run_name
+                 flush_every_s: float = 2.0, artifact_location: str | None = None,
+                 parent_run_id: str | None = None, system_metrics_every_s: float | None = None):
+        super().__init__(uri, spool_dir)
+        self.experiment, self.run_name = experiment, run_name
         self.run_id = run_id
         # identifies our run across retries: a create_run whose reply timed out may still have
         # made the run, and a retry must find it rather than make a second one
         self.run_key = run_key or uuid.uuid4().hex
-        self._params, self._tags = params or {}, {k: str(v) for k, v in (tags or {}).items()}
-        self._artifact_location = artifact_location
-        self._spool = Path(spool_dir) / SPOOL
-        self._every = flush_every_s
+        self._own = {"op": "run", "run_key": self.run_key, "run_id": run_id, "resume": run_id is not None,
+                     "uri": uri, "experiment": experiment, "run_name": run_name, "parent_run_id": parent_run_id,
+                     "params": {k: str(v)[:6000] for k, v in (params or {}).items()},
+                     "tags": {k: str(v) for k, v in (tags or {}).items()}, "artifact_location": artifact_location}
+        self._every, self._sys_every = flush_every_s, system_metrics_every_s
         self._q: queue.Queue = queue.Queue()
-        self._pending: list[dict] = self._read_spool()  # ops in order: metric | artifact | tags
-        self._queued, self._delivered = len(self._pending), 0  # flush waits for delivered >= queued
-        self._client = None
+        self._count = threading.Lock()
+        self._pending = [self._own, *self._claim_spool()]  # our run first, then what earlier jobs left
+        self._queued = len(self._pending)  # flush waits for delivered >= queued
         self._down_since: float | None = None
         self._idle = threading.Event()
         self._wake = threading.Event()  # flush/close: deliver now rather than at the next tick
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # one mlflow request at a time (thread vs. log_model_pytorch)
+        self._closed = False
         try:  # create/continue the run now, so the first checkpoint can record its id
-            self._connect()
+            with self._lock:
+                self._deliver(limit=1)
         except Exception as e:  # down at start: the thread keeps trying
             self._down_since = time.monotonic()
             warnings.warn(f"MLflow at {uri} unreachable ({type(e).__name__}); training continues, "
                           "metrics are buffered", stacklevel=2)
         self._thread = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
         self._thread.start()
+        self._sampler = _SystemMetrics(self, system_metrics_every_s) if system_metrics_every_s else None
+        atexit.register(self._at_exit)
 
     # ---- the training side: enqueue only ----------------------------------------------------------
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -108,12 +277,23 @@ class Tracker(NullTracker):
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         self._put({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
 
+    def log_table(self, rows: list[dict], artifact_file: str) -> None:
+        """``rows`` (one dict per row) as an MLflow table artifact, e.g. ``per_class_val.json``."""
+        self._put({"op": "table", "rows": rows, "artifact_file": artifact_file})
+
+    def log_inputs(self, datasets: list[dict]) -> None:
+        """Dataset inputs: dicts with name, digest, source_type, source, schema, profile, context
+        (pipeline.data.dataset_inputs makes them)."""
+        if datasets:
+            self._put({"op": "inputs", "datasets": datasets})
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         self._put({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
 
     def _put(self, op: dict) -> None:
-        self._queued += 1
-        self._q.put(op)
+        with self._count:
+            self._queued += 1
+        self._q.put(dict(op, run_key=self.run_key))
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything queued so far is delivered; False if the deadline passes first."""
@@ -127,49 +307,79 @@ class Tracker(NullTracker):
         return True
 
     def close(self, timeout: float = 30.0, status: str | None = None) -> None:
-        """Deliver what we can within ``timeout``; spool the rest for a later run to deliver.
+        """Deliver what we can within ``timeout``; spool the rest for `vitp sync` or a later job.
 
         ``status`` ("FINISHED", "FAILED"): end the MLflow run; None leaves it running (a stopped
         job that will be requeued continues it)."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
+        if self._sampler is not None:
+            self._sampler.stop()  # its last sample goes in before the run ends
         if status is not None:
-            self._put({"op": "end", "status": status})
+            self._put({"op": "end", "status": status, "ts": int(time.time() * 1000)})
         self.flush(timeout)
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=max(1.0, self._every * 2))
-        self._drain()
-        if self._pending:
-            with open(self._spool, "a") as f:
-                for op in self._pending:
-                    f.write(json.dumps(dict(op, run_id=op.get("run_id") or self.run_id)) + "\n")
-            warnings.warn(f"MLflow at {self.uri} unreachable: {len(self._pending)} records kept in "
-                          f"{self._spool}; the next run in this dir delivers them", stacklevel=2)
-            self._pending = []
+        with self._lock:  # waits out a request still in flight: nothing is both sent and spooled
+            self._drain()
+            header = None if self._pending and self._pending[0] is self._own else \
+                {"op": "run", "run_key": self.run_key, "run_id": self.run_id, "uri": self.uri}
+            n = self._write_spool(header)
+        if n:
+            warnings.warn(f"MLflow at {self.uri} unreachable: {n} records kept in {self._spool}; deliver them "
+                          f"with `vitp sync {self._spool.parent}` once it is back (a job that continues "
+                          "this run dir also does)", stacklevel=2)
+
+    def _at_exit(self) -> None:
+        """The process ends without close(): the run failed (an exception); say so, briefly."""
+        self.close(timeout=10.0, status="FAILED")
 
     def log_model_pytorch(self, model, input_example=None, registered_name: str | None = None) -> None:
-        """Log ``model`` with the mlflow.pytorch flavour (and register it); synchronous, warns on failure."""
+        """Log ``model`` with the mlflow.pytorch flavour (and register it); synchronous, warns on failure.
+
+        ``input_example``: an image batch [N, 3, H, W] (N >= 2, float32). The signature says
+        [-1, 3, H, W] -> [-1, K], so the exported program (and pyfunc ``predict``) takes any batch size.
+        """
         if not self.flush(60.0):
             warnings.warn("MLflow unreachable: model not logged (weights are in the run dir)", stacklevel=2)
             return
         import mlflow
         import mlflow.pytorch
+        import numpy as np
+        import torch
+        from mlflow.models import ModelSignature
+        from mlflow.types import Schema, TensorSpec
 
         try:
+            x = np.asarray(input_example, dtype=np.float32)
+            with torch.no_grad():
+                out = model(torch.from_numpy(x))
+            spec = lambda shape: Schema([TensorSpec(np.dtype(np.float32), (-1, *shape[1:]))])  # noqa: E731
             with self._lock:
                 mlflow.set_tracking_uri(self.uri)
                 with mlflow.start_run(run_id=self.run_id):
-                    mlflow.pytorch.log_model(model, name="model", input_example=input_example,
+                    mlflow.pytorch.log_model(model, name="model", input_example=x,
+                                             signature=ModelSignature(spec(x.shape), spec(tuple(out.shape))),
                                              registered_model_name=registered_name)
         except Exception as e:  # tracking must never end training
             warnings.warn(f"MLflow log_model failed: {e}", stacklevel=2)
 
     # ---- the background thread ---------------------------------------------------------------------
-    def _read_spool(self) -> list[dict]:
-        if not self._spool.is_file():
-            return []
-        ops = [json.loads(line) for line in self._spool.read_text().splitlines() if line.strip()]
-        self._spool.unlink()
-        return ops
+    def _opened(self, op: dict) -> None:
+        if op is self._own:
+            self.run_id = self._runs[self.run_key]
+            if op["resume"] and self._sys_every:  # continue MLflow's system-metrics steps
+                last = [m.step for m in self._client.get_run(self.run_id).data._metric_objs
+                        if m.key.startswith("system/")]
+                self._sys_next = max(last, default=-1) + 1
+            else:
+                self._sys_next = 0
+
+    def _own_run_id(self) -> str | None:
+        return self.run_id
 
     def _drain(self) -> None:
         while True:
@@ -177,58 +387,6 @@ class Tracker(NullTracker):
                 self._pending.append(self._q.get_nowait())
             except queue.Empty:
                 return
-
-    def _connect(self) -> None:
-        from mlflow import MlflowClient
-        from mlflow.entities import Param, RunTag
-
-        if self._client is None:
-            self._client = MlflowClient(self.uri)
-        c = self._client
-        if self.run_id is not None:
-            if self._tags:
-                c.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self._tags.items()])
-                self._tags = {}
-            return
-        exp = c.get_experiment_by_name(self.experiment)
-        exp_id = exp.experiment_id if exp else c.create_experiment(
-            self.experiment, artifact_location=self._artifact_location)
-        found = c.search_runs([exp_id], filter_string=f"tags.vitp_run_key = '{self.run_key}'", max_results=1)
-        if found:
-            self.run_id, self._tags = found[0].info.run_id, {}
-            return
-        run = c.create_run(exp_id, run_name=self.run_name, tags={**self._tags, "vitp_run_key": self.run_key})
-        self._tags = {}
-        params = [Param(k, str(v)[:6000]) for k, v in self._params.items()]
-        for i in range(0, len(params), 100):
-            c.log_batch(run.info.run_id, params=params[i:i + 100])
-        self.run_id = run.info.run_id
-
-    def _deliver(self) -> None:
-        from mlflow.entities import Metric, RunTag
-
-        while self._pending:
-            op = self._pending[0]
-            run_id = op.get("run_id") or self.run_id
-            if op["op"] == "metric":
-                n = 0
-                while (n < min(len(self._pending), _BATCH) and self._pending[n]["op"] == "metric"
-                       and (self._pending[n].get("run_id") or self.run_id) == run_id):
-                    n += 1
-                self._client.log_batch(run_id, metrics=[Metric(o["key"], o["value"], o["ts"], o["step"])
-                                                        for o in self._pending[:n]])
-            elif op["op"] == "artifact":
-                n = 1
-                if Path(op["path"]).exists():
-                    self._client.log_artifact(run_id, op["path"], op.get("artifact_path"))
-            elif op["op"] == "end":
-                n = 1
-                self._client.set_terminated(run_id, op["status"])
-            else:
-                n = 1
-                self._client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()])
-            del self._pending[:n]
-            self._delivered += n
 
     def _run(self) -> None:
         backoff = 0.5
@@ -238,8 +396,6 @@ class Tracker(NullTracker):
             self._drain()
             try:
                 with self._lock:
-                    if self.run_id is None or self._client is None or self._tags:
-                        self._connect()
                     self._deliver()
             except Exception as e:  # server down, slow, or refusing: keep the records, retry later
                 if self._down_since is None:
@@ -258,19 +414,92 @@ class Tracker(NullTracker):
             self._idle.set()
 
 
+class _SystemMetrics:
+    """MLflow's own system-metrics monitors, sampled every ``every`` seconds on rank 0 and logged as
+    ``system/...`` through the tracker's queue (so they outlive an outage like any metric, where
+    MLflow's SystemMetricsMonitor thread stops for good). Steps count samples, as MLflow's do."""
+
+    def __init__(self, tracker: Tracker, every: float):
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._tracker, self._every = tracker, every
+        self._monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=every, tracking_uri=tracker.uri)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="mlflow-system-metrics", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._monitor.collect_metrics()
+            stopping = self._stopping.wait(self._every)
+            if self._tracker._sys_next is not None:  # else the run is not known yet: samples aggregate
+                self._publish()
+            if stopping:
+                return
+
+    def _publish(self) -> None:
+        metrics = self._monitor.aggregate_metrics()
+        for m in self._monitor.monitors:
+            m.clear_metrics()
+        if metrics:
+            self._tracker.log_metrics({f"system/{k}": v for k, v in metrics.items()}, self._tracker._sys_next)
+            self._tracker._sys_next += 1
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=30.0)
+
+
+def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60.0) -> dict:
+    """Deliver ``RUN_DIR/mlflow_spool.jsonl``: each record once, each run ended as it ended.
+
+    -> {"delivered": n, "left": n (kept in the spool), "runs": {run_id: status}, "uri": uri, "error"}.
+    The server comes from the spool (``uri`` overrides).
+    """
+    from mlflow.exceptions import RestException
+
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    d = _Delivery(uri or "", run_dir)
+    d._pending = ops = d._claim_spool()
+    d.uri = uri or next((o["uri"] for o in reversed(ops) if o["op"] == "run" and o.get("uri")), "")
+    if ops and not d.uri:
+        d._write_spool(None)
+        raise ValueError(f"{d._spool}: names no tracking server; pass --uri")
+    deadline, err = time.monotonic() + timeout, None
+    while d._pending and time.monotonic() < deadline:
+        try:
+            d._deliver()
+        except RestException as e:  # the server answered no: retrying would not change its mind
+            err = e
+            break
+        except Exception as e:  # unreachable: keep trying until the deadline
+            err = e
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+    left = d._write_spool(None if not d._pending or d._pending[0]["op"] == "run" else
+                          {"op": "run", "run_key": d._pending[0].get("run_key"), "uri": d.uri})
+    runs = {rid: d._client.get_run(rid).info.status for rid in set(d._runs.values())} if not left else {}
+    return {"delivered": d._delivered, "left": left, "runs": runs, "uri": d.uri,
+            "error": f"{type(err).__name__}: {str(err)[:200]}" if left and err else None}
+
+
 def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: int, stage: str,
                    run_id: str | None = None, run_key: str | None = None,
-                   params: dict[str, Any] | None = None) -> NullTracker:
+                   params: dict[str, Any] | None = None, datasets: list[dict] | None = None,
+                   uri: str | None = None, parent_run_id: str | None = None, run_name: str | None = None,
+                   experiment: str | None = None) -> NullTracker:
     """The tracker for this process: a real one on rank 0 when tracking is enabled.
 
     A resumed job passes the ``run_id`` (and ``run_key``) its checkpoint recorded to continue that run.
+    ``datasets``: pipeline.data.dataset_inputs(...) of what the stage reads. ``uri``/``parent_run_id``:
+    an evaluation nests its run under the evaluated one, in that run's store.
     """
     if rank != 0 or not cfg.tracking.enabled:
         return NullTracker()
     run_dir = Path(run_dir)
-    uri = resolve_uri(cfg, run_dir)
+    uri = uri or resolve_uri(cfg, run_dir)
     local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
-    tags = {"stage": stage, "host": socket.gethostname(), "world_size": world_size}
+    tags = {"stage": stage, "host": socket.gethostname(), "world_size": world_size, **source_tags(stage)}
     if os.environ.get("SLURM_JOB_ID"):
         tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
     # a launcher's shared tags, e.g. every task of a sweep array: {"sweep": "<id>", "sweep_index": 3}
@@ -278,10 +507,11 @@ def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: in
         tags.update(json.loads(os.environ.get("VITP_MLFLOW_TAGS") or "{}"))
     except json.JSONDecodeError:
         warnings.warn("VITP_MLFLOW_TAGS is not a JSON object; ignored", stacklevel=2)
-    commit = git_commit()
-    if commit:
-        tags["git_commit"] = commit
-    return Tracker(uri, experiment=cfg.tracking.experiment, run_name=cfg.run.name or run_dir.name,
-                   spool_dir=run_dir, run_id=run_id, run_key=run_key, params=params, tags=tags,
-                   flush_every_s=cfg.tracking.flush_every_s,
-                   artifact_location=(run_dir.resolve() / "mlartifacts").as_uri() if local else None)
+    t = Tracker(uri, experiment=experiment or cfg.tracking.experiment,
+                run_name=run_name or cfg.run.name or run_dir.name,
+                spool_dir=run_dir, run_id=run_id, run_key=run_key, params=params, tags=tags,
+                flush_every_s=cfg.tracking.flush_every_s, parent_run_id=parent_run_id,
+                artifact_location=(run_dir.resolve() / "mlartifacts").as_uri() if local else None,
+                system_metrics_every_s=cfg.tracking.system_metrics_every_s if cfg.tracking.system_metrics else None)
+    t.log_inputs(datasets or [])
+    return t

@@ -1,13 +1,12 @@
 """Transfer stage: fine-tune a tiny pre-trained checkpoint at 2x resolution through the real loop
 (DeepSpeed on CPU), then check pos-emb resampling, the zero head, the loss, the accuracy against a
-linear probe of the frozen pre-trained features, results.json and the MLflow registry round-trip.
-Wrong inputs fail with one clear line."""
+linear probe of the frozen pre-trained features and results.json. Wrong inputs fail with one clear
+line. (MLflow lineage tags and the registered model: tests/integration/test_mlflow_runs.py.)"""
 
 import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -168,35 +167,3 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path):
     # the payload is live: an unsafe load runs it, so the refusal above is what kept the marker away
     torch.load(evil, weights_only=False)
     assert marker.exists()
-
-
-# ---------------------------------------------------------------- MLflow: lineage and registry round-trip
-@pytest.mark.slow
-@pytest.mark.mlflow_server
-def test_registry_roundtrip(pretrained, tmp_path, mlflow_server):
-    import mlflow
-    import mlflow.pytorch
-
-    uri = getattr(mlflow_server, "uri", mlflow_server)
-    # the server's store outlives this run (and pids repeat): a name no earlier run can have used
-    name = f"vitp-tiny-ft-{uuid.uuid4().hex[:12]}"
-    run = tmp_path / "ft"
-    r = _vitp("transfer", "--config", str(FT), f"run.dir={run}", f"init.from={pretrained}", f"data.path={DATA}",
-              "model.img_size=32", "train.steps=5", "tracking.enabled=true", f"tracking.uri={uri}",
-              f"tracking.experiment=test-transfer-{name}", f"tracking.register_name={name}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    res = json.loads((run / "results.json").read_text())
-    mlflow.set_tracking_uri(uri)
-    client = mlflow.MlflowClient(uri)
-    tags = client.get_run(res["mlflow_run_id"]).data.tags
-    assert tags["stage"] == "transfer" and tags["vitp.parent_step"] == "20"
-    versions = client.search_model_versions(f"name='{name}'")  # (stage-based lookups are deprecated)
-    assert len(versions) == 1 and versions[0].run_id == res["mlflow_run_id"]
-    version = versions[0]
-    loaded = mlflow.pytorch.load_model(f"models:/{name}/{version.version}")
-    ours = load_model(run / "model.safetensors")
-    x = torch.randn(4, 3, 32, 32)
-    # mlflow may hand back a torch.export program (no .eval(), batch fixed by the input example's 1)
-    with torch.no_grad():
-        got = torch.cat([loaded(x[i:i + 1]) for i in range(len(x))])
-        assert torch.allclose(got, ours(x), atol=1e-5)

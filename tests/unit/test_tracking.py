@@ -68,14 +68,18 @@ def test_outage_buffers_spools_and_a_later_tracker_delivers(store, tmp_path):
         assert time.perf_counter() - t0 < 0.5  # logging never waits for the server
         t.close(timeout=1.0)
     assert any("unreachable" in str(x.message) for x in w)
-    lines = (tmp_path / SPOOL).read_text().splitlines()
-    assert len(lines) == 1000 and json.loads(lines[0])["key"] == "loss"
+    ops = [json.loads(line) for line in (tmp_path / SPOOL).read_text().splitlines()]
+    assert ops[0]["op"] == "run" and ops[0]["run_id"] is None  # what `vitp sync` needs to create the run
+    assert [o["step"] for o in ops[1:] if o["op"] == "metric"] == list(range(1, 1001))
+    # the job that resumes this run dir (its checkpoint recorded the run key) delivers them into the run
     t2 = Tracker(uri, experiment="unit-outage", run_name="o", spool_dir=tmp_path, flush_every_s=0.2,
-                 artifact_location=(d / "art").as_uri())
+                 run_key=t.run_key, artifact_location=(d / "art").as_uri())
     assert t2.flush(30)
     t2.close()
     assert not (tmp_path / SPOOL).exists()
-    hist = MlflowClient(uri).get_metric_history(t2.run_id, "loss")
+    c = MlflowClient(uri)
+    assert len(c.search_runs([c.get_experiment_by_name("unit-outage").experiment_id])) == 1
+    hist = c.get_metric_history(t2.run_id, "loss")
     assert sorted(m.step for m in hist) == list(range(1, 1001))
 
 

@@ -1,0 +1,118 @@
+"""No run stays stranded: a run whose server is gone at its end spools what it could not send and
+says `vitp sync RUN_DIR`; `vitp sync` delivers it once the server is back, every record once, and
+ends the run with the status it ended in. A process that dies of an exception ends its run FAILED.
+A team's experiment kind is kept. Against a real MLflow server (stopped and started for real).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+import warnings
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from pipeline.train.tracking import KIND, KIND_TAG, SPOOL, Tracker
+
+pytestmark = pytest.mark.mlflow_server
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def vitp(*args, env=None, timeout=600):
+    e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def steps(client, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_experiment_kind_is_set_once_and_a_teams_kind_is_kept(mlflow_server, tmp_path):
+    c = MlflowClient(mlflow_server)
+    ours, theirs = f"kind-{uuid.uuid4().hex[:10]}", f"kind-team-{uuid.uuid4().hex[:10]}"
+    c.create_experiment(theirs, tags={KIND_TAG: "finetuning"})
+    for exp in (ours, theirs):
+        t = Tracker(mlflow_server, experiment=exp, run_name="k", spool_dir=tmp_path, flush_every_s=0.2)
+        t.close(status="FINISHED")
+    assert c.get_experiment_by_name(ours).tags[KIND_TAG] == KIND
+    assert c.get_experiment_by_name(theirs).tags[KIND_TAG] == "finetuning"
+
+
+DIES = """
+import sys
+from pipeline.train.tracking import Tracker
+t = Tracker(sys.argv[1], experiment=sys.argv[2], run_name="dies", spool_dir=sys.argv[3], flush_every_s=0.2)
+t.log_metrics({"loss": 1.0}, 1)
+print(t.run_id, flush=True)
+raise RuntimeError("boom")
+"""
+
+
+def test_a_process_that_dies_of_an_exception_ends_its_run_failed(mlflow_server, tmp_path):
+    exp = f"dies-{uuid.uuid4().hex[:10]}"
+    r = subprocess.run([sys.executable, "-c", DIES, mlflow_server, exp, str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 1 and "boom" in r.stderr
+    run = MlflowClient(mlflow_server).get_run(r.stdout.split()[0])
+    assert run.info.status == "FAILED" and run.data.metrics == {"loss": 1.0}
+
+
+def test_vitp_sync_input_errors_are_one_line(tmp_path):
+    r = vitp("sync", str(tmp_path / "missing"))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: {tmp_path / 'missing'}: no such run directory"
+    r = vitp("sync", str(tmp_path))
+    assert r.returncode == 0 and "nothing to sync" in r.stdout
+
+
+@pytest.mark.slow
+def test_stranded_runs_are_finished_by_vitp_sync(mlflow_server, tmp_path):
+    """Run A starts with the server up and loses it before its end; run B (a whole `vitp pretrain`)
+    never reaches it. Both finish training, spool, and name `vitp sync`; after the server is back,
+    `vitp sync` delivers every step once and ends both runs FINISHED; a second sync has nothing to do."""
+    from tests.services import mlflow_start, mlflow_stop
+
+    exp, a_dir, b_dir = f"stranded-{uuid.uuid4().hex[:10]}", tmp_path / "a", tmp_path / "b"
+    a_dir.mkdir()
+    a = Tracker(mlflow_server, experiment=exp, run_name="a", spool_dir=a_dir, flush_every_s=0.2)
+    for step in range(1, 6):
+        a.log_metrics({"loss": 1.0 / step}, step)
+    assert a.flush(60)  # steps 1-5 reached the server
+    mlflow_stop()
+    try:
+        for step in range(6, 41):
+            a.log_metrics({"loss": 1.0 / step}, step)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            a.close(timeout=1.0, status="FINISHED")
+        assert any(f"vitp sync {a_dir}" in str(x.message) for x in w)
+        r = vitp("pretrain", "--config", str(ROOT / "configs/pretrain/tiny_cpu.yaml"), f"run.dir={b_dir}",
+                 "data.path=synthetic:train=64,val=16", "model.img_size=16", "train.steps=6", "train.log_every=1",
+                 "checkpoint.every=0", f"tracking.uri={mlflow_server}", f"tracking.experiment={exp}",
+                 "tracking.close_timeout_s=1", "tracking.flush_every_s=0.2")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"vitp sync {b_dir}" in r.stderr
+        assert (a_dir / SPOOL).is_file() and (b_dir / SPOOL).is_file()
+    finally:
+        mlflow_start()
+    c = MlflowClient(mlflow_server)
+    assert c.get_run(a.run_id).info.status == "RUNNING"  # stranded until synced
+    for d in (a_dir, b_dir):
+        r = vitp("sync", str(d))
+        assert r.returncode == 0, r.stderr
+        assert "(FINISHED)" in r.stdout and not (d / SPOOL).exists()
+        again = vitp("sync", str(d))
+        assert again.returncode == 0 and "nothing to sync" in again.stdout
+    runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name(exp).experiment_id])}
+    assert set(runs) == {"a", "b"}
+    assert steps(c, a.run_id, "loss") == list(range(1, 41))  # each step once
+    b = runs["b"]
+    assert steps(c, b.info.run_id, "loss") == list(range(1, 7))
+    assert b.info.status == "FINISHED" and b.info.end_time is not None
+    assert b.data.params["train.steps"] == "6" and b.data.tags["mlflow.source.name"] == "vitp pretrain"
+    assert {d.dataset.name for d in b.inputs.dataset_inputs} == {"synthetic/train", "synthetic/val"}
+    assert c.get_run(a.run_id).info.status == "FINISHED"

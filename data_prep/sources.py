@@ -157,7 +157,7 @@ def _cell_labels(raw) -> list[str] | None:
     """A labels cell → its labels as stripped strings (ints as decimals); None if it cannot be read."""
     if isinstance(raw, str):
         text = raw.strip()
-        if text.startswith("["):
+        if text.startswith(("[", "{")):  # JSON; only a list is one
             try:
                 raw = json.loads(text)
             except json.JSONDecodeError:

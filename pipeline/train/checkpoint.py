@@ -69,9 +69,11 @@ def read_manifest(ckpt: str | os.PathLike) -> dict:
 # --------------------------------------------------------------------------------------------------
 def maybe_fault(event: str, step: int) -> None:
     """SIGKILL this rank when a test asks for it: VITP_TEST_KILL_AT_STEP=k (before step k runs) or
-    VITP_TEST_KILL_DURING_SAVE=k (after writing checkpoint k's files, before publishing it), on rank
-    VITP_TEST_KILL_RANK (default 1). Costs one dict lookup when unset."""
-    var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE"}[event]
+    VITP_TEST_KILL_DURING_SAVE=k (after writing checkpoint k's files, before publishing it) or
+    VITP_TEST_KILL_DURING_FEWSHOT=k (inside step k's few-shot evaluator), on rank VITP_TEST_KILL_RANK
+    (default 1). Costs one dict lookup when unset."""
+    var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE",
+           "fewshot": "VITP_TEST_KILL_DURING_FEWSHOT"}[event]
     at = os.environ.get(var)
     if at is None or int(at) != step:
         return

@@ -172,7 +172,7 @@ def average_precision(scores: torch.Tensor, targets: torch.Tensor) -> list[float
     n = scores.shape[0]
     if n == 0:
         return [None] * scores.shape[1]
-    s, order = scores.double().sort(0, descending=True, stable=True)
+    s, order = scores.double().sort(dim=0, descending=True, stable=True)
     t = targets.gather(0, order).double()
     tp = t.cumsum(0)
     rows = torch.arange(n, dtype=torch.int64).view(-1, 1).expand_as(s)

@@ -17,7 +17,8 @@ named by its folder or as ``NAME=PATH``):
         one gather_object of the features to rank 0, which solves the closed-form ridge for each k
         (pipeline/eval/fewshot.py) and scores the test split; the others wait for it on the side
         group (no rank waits inside a collective's timeout)
-        -> {"fewshot/<name>/<k>shot": accuracy, "fewshot/seconds": wall time} on rank 0
+        -> {"fewshot/<name>/<k>shot": accuracy, "fewshot/seconds": wall time} on rank 0 (the first
+           time also "fewshot/setup_seconds", the label scan)
 
 Decoded test and subset images stay in memory between evaluations (the eval transform is
 deterministic) while a rank's share fits ``CACHE_BYTES``; beyond that they are read again each time.
@@ -131,6 +132,7 @@ class FewshotEvaluators:
     def __init__(self, cfg: Config, engine, device, dtype, history: list[dict]):
         self.cfg, self.engine, self.device, self.dtype = cfg, engine, device, dtype
         self.rank, self.world = rank_world()
+        t0 = time.perf_counter()
         self.every = cfg.train.fewshot_every
         self.sets = [_Set(n, p, cfg, self.rank, self.world) for n, p in fewshot_sets(cfg.eval.fewshot_data)]
         budget = sum(s.rank_bytes(cfg.model.img_size) for s in self.sets)
@@ -140,6 +142,7 @@ class FewshotEvaluators:
         if self.sets:
             done = int(all_reduce(torch.tensor([done], dtype=torch.int64, device=device), "max").item())
         self.done = done
+        self.setup_s = time.perf_counter() - t0  # logged with the first evaluation
 
     def due(self, step: int, final: bool = False) -> bool:
         return bool(self.sets) and step > self.done and (final or (self.every > 0 and step % self.every == 0))
@@ -156,6 +159,8 @@ class FewshotEvaluators:
         self.done = step
         if self.rank == 0:
             out[PREFIX + "seconds"] = time.perf_counter() - t0
+            if self.setup_s is not None:
+                out[PREFIX + "setup_seconds"], self.setup_s = self.setup_s, None
             rank0_print(f"step {step:>7d}  " + "  ".join(f"{k[len(PREFIX):]} {v:.3f}" for k, v in out.items()
                                                         if not k.endswith("seconds")))
         return out

@@ -1,8 +1,9 @@
-"""What the few-shot evaluators cost a pre-training run: the tiny recipe as shipped (its
-`train.fewshot_every`), 2 local ranks, on sklearn's digits sharded by `vitp prep`, with the digits
-themselves as the few-shot set (train -> test, shots 1/5/10/25) — the demo's setting.
+"""What the few-shot evaluators cost a pre-training run: the tiny recipe with its default
+`train.fewshot_every` (250) and shots (1/5/10/25), 2 local ranks, 1000 steps on sklearn's digits
+sharded by `vitp prep`, the digits themselves as the few-shot set (train -> test) — the demo's
+pre-training, without MLflow.
 
-    python bench/fewshot_eval.py [--steps 100] [--nprocs 2]
+    python bench/fewshot_eval.py [--steps 1000] [--nprocs 2]
 
 Both sides come from one run: the evaluators' wall time as the run logs it (``fewshot/seconds`` per
 evaluation plus ``fewshot/setup_seconds``, the train split's label scan) against the training time
@@ -38,7 +39,7 @@ def overhead(metrics: list[dict]) -> tuple[float, float, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=None, help="train.steps (default: the recipe's)")
+    p.add_argument("--steps", type=int, default=1000, help="train.steps (default 1000, as the demo)")
     p.add_argument("--nprocs", type=int, default=2)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +48,7 @@ def main() -> None:
         prep(write_digits(tmp / "digits"), shards, split_column="split", max_samples_per_shard=160, progress=False)
         argv = ["pretrain", "--config", str(PRETRAIN_RECIPE), f"run.dir={tmp / 'run'}", f"data.path={shards}",
                 f"eval.fewshot_data=[digits={shards}]", "tracking.enabled=false"]
-        argv += [f"train.steps={args.steps}"] if args.steps else []
+        argv += [f"train.steps={args.steps}", f"checkpoint.every={args.steps}"]
         if run_local(argv, args.nprocs) != 0:
             raise SystemExit("error: the pre-training run failed")
         metrics = [json.loads(x) for x in (tmp / "run/metrics.jsonl").read_text().splitlines()]

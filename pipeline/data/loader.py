@@ -323,7 +323,7 @@ class _EvalRank(IterableDataset):
     def __init__(self, loader: EvalLoader):
         self.sp, self.K, self.B = loader.split, loader.info.num_classes, loader.batch
         self.ml = loader.info.multi_label
-        self.pos, self.nb = loader._positions, loader.num_batches
+        self.pos, self.nb = loader.rank_positions, loader.num_batches
         self.tf = EvalTransform(loader.img_size, loader.crop_pct)
 
     def __iter__(self):
@@ -352,7 +352,8 @@ class EvalLoader:
     have ``valid=False``, label -1 (no class), zero pixels), so a caller can run the model and any
     per-batch collective on every rank in lock-step, sum ``correct[valid]`` / ``valid.sum()`` locally
     and all-reduce those sums once at the end. ``num_samples_rank`` is this rank's slice length.
-    ``positions``: only these sorted positions of the split (e.g. a few-shot subset), cut the same way.
+    ``positions``: only these sorted positions of the split (e.g. a few-shot subset), cut the same way
+    (``rank_positions``: this rank's).
     """
 
     def __init__(self, cfg_data, *, img_size: int, batch: int, rank: int | None = None,
@@ -371,8 +372,8 @@ class EvalLoader:
         self.return_keys = return_keys
         positions = range(self.split.num_samples) if positions is None else positions
         n = self.num_samples = len(positions)
-        self._positions = positions[rank * n // world_size:(rank + 1) * n // world_size]
-        self.num_samples_rank = len(self._positions)
+        self.rank_positions = positions[rank * n // world_size:(rank + 1) * n // world_size]
+        self.num_samples_rank = len(self.rank_positions)
         self.num_batches = math.ceil(math.ceil(n / world_size) / self.batch)
         self.skipped: dict[str, int] = {}
 

@@ -115,7 +115,7 @@ class _Set:
             yield from self.cached[part]
             return
         ld, kept = self.loaders[part], []
-        pos = list(ld._positions)
+        pos = list(ld.rank_positions)
         for b, (x, y, valid) in enumerate(ld):
             p = torch.tensor(pos[b * ld.batch:(b + 1) * ld.batch] + [-1] * ld.batch)[:ld.batch]
             item = (x, y, valid, p)
@@ -167,29 +167,32 @@ class FewshotEvaluators:
 
     @torch.no_grad()
     def _features(self, s: _Set, part: str, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's pre-logit features [n, D] float32 (host), labels [n], positions [n] of ``part``."""
+        """This rank's pre-logit features [n, D] float32 (host), labels [n], positions [n] of ``part``.
+        The features stay on the device until the last batch: one copy back, no sync per batch."""
         model = self.engine
         head = getattr(getattr(model, "module", model), "head", None)
         got: list[torch.Tensor] = []
         hook = head.register_forward_pre_hook(lambda _m, a: got.append(a[0])) if head is not None else None
-        feats, labels, pos = [], [], []
+        feats, labels, valid, pos = [], [], [], []
         try:
-            for b, (x, y, valid, p) in enumerate(s.batches(part, self.cache)):
+            for b, (x, y, ok, p) in enumerate(s.batches(part, self.cache)):
                 x = shard_loader.normalize(x.to(self.device, non_blocking=True)).to(self.dtype)
                 out = model(x)
-                f = got.pop() if hook is not None else out
-                keep = valid
-                feats.append(f.float().cpu()[keep])
-                labels.append(y[keep])
-                pos.append(p[keep])
+                feats.append((got.pop() if hook is not None else out).float())
+                labels.append(y)
+                valid.append(ok)
+                pos.append(p)
                 if b == 0:
                     maybe_fault("fewshot", step)
         finally:
             if hook is not None:
                 hook.remove()
-        return torch.cat(feats), torch.cat(labels), torch.cat(pos)
+        keep = torch.cat(valid)
+        return torch.cat(feats).cpu()[keep], torch.cat(labels)[keep], torch.cat(pos)[keep]
 
     def _run(self, s: _Set, step: int) -> dict:
+        if not s.shots:  # every shot count was skipped (said at the start); the same on every rank
+            return {}
         was_training = self.engine.training
         self.engine.eval()
         try:

@@ -204,3 +204,21 @@ def test_read_info_single_label_stays_single(tmp_path):
 
     write_dataset(tmp_path, {"train": [3]})
     assert read_info(tmp_path).multi_label is False
+
+
+@pytest.mark.parametrize("recipe", ["tiny_cpu", "vit_b16", "vit_l16", "vit_h14"])
+def test_pretrain_recipes_take_a_multilabel_folder_unchanged(stripes, recipe, repo_root):
+    """Each shipped recipe's data, loss and metric path on multi-label shards (the model aside: the
+    2-rank test trains one): multi-hot targets, a finite loss of the recipe's kind, precision@1."""
+    from pipeline.config import load_config
+
+    out, _ = stripes
+    cfg = load_config(repo_root / f"configs/pretrain/{recipe}.yaml", [f"data.path={out}"])
+    ld = TrainLoader(cfg.data, img_size=cfg.model.img_size, micro_batch=8, global_batch=8, rank=0, world_size=1,
+                     seed=cfg.seed, num_workers=0)
+    images, labels = next(iter(ld))
+    assert images.shape == (8, 3, cfg.model.img_size, cfg.model.img_size) and labels.shape == (8, 6)
+    x, targets = ld.mix(images.float(), labels)
+    logits = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
+    loss = loss_fn(cfg.train.loss, logits, targets, label_smoothing=cfg.data.label_smoothing)
+    assert torch.isfinite(loss) and 0 <= int(top1_hits(logits, labels)) <= 8

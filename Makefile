@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/loader.py
 	$(PY) bench/tracking.py
 	$(PY) bench/eval.py
+	$(PY) bench/fewshot_eval.py
 
 # The peer for `vitp prep`: img2dataset in its own venv (never a vitp dependency), same images and
 # worker count, over loopback HTTP; prints `ratio prep_vs_img2dataset`.

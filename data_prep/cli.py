@@ -18,7 +18,10 @@ examples:
   vitp prep data/imagenet/train out/in1k --resize-shorter 256 --shard-range 0:16   # one SLURM array task
 
 A manifest (.csv/.jsonl/.parquet) has a path column (relative to the manifest) and a label column
-(class names or integer indices). Rerunning the same command resumes: complete shards are kept.
+(class names or integer indices), or a labels column for multi-label data (`3;17;42`, a JSON list,
+or a list value; names or indices; the sample's .cls is the first one, or the label column's value
+when the manifest has both, and the json holds them all as "labels"). Rerunning the same command
+resumes: complete shards are kept.
 """
 
 VERIFY_EPILOG = """\
@@ -53,6 +56,9 @@ def _prep_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-column", help="manifest column naming each row's split (instead of --val-fraction)")
     p.add_argument("--path-column", default="path", help="manifest path column (default path)")
     p.add_argument("--label-column", default="label", help="manifest label column (default label)")
+    p.add_argument("--labels-column", default="labels",
+                   help="manifest column of several labels per image; its presence makes the data multi-label "
+                        "(default labels)")
     p.add_argument("--classes", help="class names in index order: .json list or text file, one per line "
                                      "(default: sorted names)")
     p.add_argument("--shard-size", type=parse_size, help="max source bytes per shard, e.g. 500MB")
@@ -84,7 +90,8 @@ def prep_main(argv: list[str]) -> int:
     try:
         summary = prep(
             args.source, args.out, seed=args.seed, val_fraction=args.val_fraction, split_column=args.split_column,
-            path_column=args.path_column, label_column=args.label_column, classes=args.classes,
+            path_column=args.path_column, label_column=args.label_column,
+            labels_column=args.labels_column, classes=args.classes,
             shard_size_bytes=args.shard_size, max_samples_per_shard=max_samples,
             resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
             min_size=args.min_size, max_pixels=args.max_pixels, keep_original=args.keep_original,

@@ -71,7 +71,8 @@ def maybe_fault(event: str, step: int) -> None:
     """Test hooks, each costing a dict lookup when unset:
 
     - SIGKILL this rank: VITP_TEST_KILL_AT_STEP=k (before step k runs) or VITP_TEST_KILL_DURING_SAVE=k
-      (after writing checkpoint k's files, before publishing it), on rank VITP_TEST_KILL_RANK (default 1).
+      (after writing checkpoint k's files, before publishing it) or VITP_TEST_KILL_DURING_FEWSHOT=k
+      (inside step k's few-shot evaluator), on rank VITP_TEST_KILL_RANK (default 1).
     - Hold every rank before step k: VITP_TEST_PAUSE_AT_STEP=k[,k2...] (0: before the stage starts, see
       launch/preempt.py) with VITP_TEST_PAUSE_FILE=P. Each rank writes ``P.k.reached.<rank>``, then waits
       until ``P.k`` exists; a stop request it receives meanwhile (a signal the test sent) is written to
@@ -80,7 +81,8 @@ def maybe_fault(event: str, step: int) -> None:
     """
     if event == "step" and "VITP_TEST_PAUSE_AT_STEP" in os.environ:
         _pause(step)
-    var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE"}[event]
+    var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE",
+           "fewshot": "VITP_TEST_KILL_DURING_FEWSHOT"}[event]
     at = os.environ.get(var)
     if at is None or int(at) != step:
         return

@@ -119,6 +119,7 @@ def check_data(cfg, stage: str) -> None:
     """The dataset exists and has every split the run will read (pipeline.data.shards.check_splits,
     which the stage repeats at its start). Fewer shards than ranks x loader workers is fine: the loader
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
+    from pipeline.config import fewshot_sets
     from pipeline.data.loader import DataError, check_splits
     from pipeline.data.synthetic import is_synthetic
 
@@ -129,6 +130,9 @@ def check_data(cfg, stage: str) -> None:
         raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
     try:
         check_splits(path, splits_read(cfg, stage))
+        for _name, folder in fewshot_sets(cfg.eval.fewshot_data) if stage != "eval" else []:  # in-run evaluators
+            for split in ("train", "test"):
+                check_splits(folder, {"eval.fewshot_data": split})
     except DataError as e:
         raise SubmitError(str(e)) from None
     if stage == "eval" or cfg.data.resampled or is_synthetic(path):

@@ -128,3 +128,20 @@ def test_fewshot_data_names():
     with pytest.raises(ConfigError, match="eval.fewshot_data: each set needs its own name"):
         load_config(None, base, world_size=1)
     assert load_config(None, [*base[:1], "eval.fewshot_data=[a=/a/shards,b=/b/shards]"], world_size=1)
+
+
+def test_submit_checks_the_fewshot_folders_before_queueing(tmp_path, repo_root):
+    import json
+
+    from launch.submit import SubmitError, check_data, load_submit_config
+
+    split = {"filenames": ["a.tar"]}
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data/_info.json").write_text(json.dumps({"splits": {"train": split, "val": split}}))
+    (tmp_path / "few").mkdir()
+    (tmp_path / "few/_info.json").write_text(json.dumps({"splits": {"train": split}}))
+    cfg = load_submit_config(str(repo_root / "configs/pretrain/tiny_cpu.yaml"),
+                             [f"data.path={tmp_path / 'data'}", f"eval.fewshot_data=[{tmp_path / 'few'}]"])
+    with pytest.raises(SubmitError, match=r"^eval.fewshot_data: 'test' not in .*few/_info.json \(has: train\)"):
+        check_data(cfg, "pretrain")
+    check_data(cfg, "eval")  # `vitp eval` runs no in-run evaluators

@@ -151,7 +151,7 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, mlflow_server):
 
     exp = f"outage-{uuid.uuid4().hex[:12]}"  # the server's store outlives test sessions
     common = [f"tracking.uri={mlflow_server}", f"tracking.experiment={exp}", "tracking.enabled=true",
-              "tracking.flush_every_s=0.5"]
+              "tracking.flush_every_s=0.5", "tracking.close_timeout_s=2"]  # job A need not wait for the server
     rc = {}
     job = threading.Thread(target=lambda: rc.setdefault("a", pretrain(tmp_path, *common, "train.steps=8")))
     job.start()

@@ -9,7 +9,10 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-quick venv services-up services-down bench bench-img2dataset lint lock clean
 
+# A fresh Debian python3 cannot create a venv without python3-venv: installed when root with apt,
+# else install-debian.sh says in one line what to run.
 $(STAMP): pyproject.toml $(LOCK)
+	@test -x $(PY) || $(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || bash launch/services/install-debian.sh venv
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c $(LOCK) -e '.[dev]'
@@ -20,8 +23,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/vitp demo
 
-# Starts the services the tests need (local SLURM cluster when root, MLflow server), runs pytest,
-# and stops what it started, whatever pytest's outcome.
+# Installs the Debian packages the services need when missing (root with apt; else one line says what
+# to run), starts the services (local SLURM cluster when root, MLflow server), runs pytest, and stops
+# what it started, whatever pytest's outcome.
 test: $(STAMP)
 	VITP_PYTHON=$(abspath $(PY)) bash tests/run_with_services.sh $(PYTEST_ARGS)
 
@@ -29,6 +33,7 @@ test-quick: $(STAMP)
 	VITP_PYTHON=$(abspath $(PY)) bash tests/run_with_services.sh -m "not slow" $(PYTEST_ARGS)
 
 services-up: $(STAMP)
+	bash launch/services/install-debian.sh services
 	VITP_PYTHON=$(abspath $(PY)) bash launch/services/mlflow.sh up
 	bash launch/services/slurm.sh up
 
@@ -43,6 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/loader.py
 	$(PY) bench/tracking.py
 	$(PY) bench/eval.py
+	$(PY) bench/fewshot_eval.py
 
 # The peer for `vitp prep`: img2dataset in its own venv (never a vitp dependency), same images and
 # worker count, over loopback HTTP; prints `ratio prep_vs_img2dataset`.

@@ -6,6 +6,13 @@ Output directory:
   <split>-NNNNNN.tar              samples <key>.cls / <key>.jpg|png|webp / <key>.json
   <split>-NNNNNN_stats.json       count, bytes, rejects by reason, seconds (written last per shard)
   rejects.jsonl, _info.json       written by finalize() when all shards are complete
+
+Multi-label data (a manifest with a ``labels`` column) keeps the same three members, so timm's and
+plain webdataset readers work unchanged: ``.cls`` holds the primary label, and the full set is the
+``labels`` list (sorted class indices) in the sample's ``.json`` (timm's WebDataset reader:
+``target_key="labels"``; webdataset: ``sample["json"]["labels"]`` after ``.decode()``). Not a member of
+its own: webdataset's default decoders know ``.json`` but not a new extension, and a json field costs no
+extra tar member per sample. ``_info.json`` then says ``"multi_label": true``.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ def prep(
     split_column: str | None = None,
     path_column: str = "path",
     label_column: str = "label",
+    labels_column: str = "labels",
     classes: str | os.PathLike | list[str] | None = None,
     shard_size_bytes: int | None = None,
     max_samples_per_shard: int | None = DEFAULT_MAX_SAMPLES_PER_SHARD,
@@ -69,7 +77,7 @@ def prep(
     opts = ImageOptions(resize_shorter, resize_longer, quality, min_size, max_pixels, max_bytes, keep_original)
     if workers < 1:
         raise ValueError(f"workers={workers}: must be >= 1")
-    src = list_source(source, classes, path_column, label_column, split_column)
+    src = list_source(source, classes, path_column, label_column, split_column, labels_column)
     kwargs = dict(seed=seed, val_fraction=val_fraction, max_samples_per_shard=max_samples_per_shard,
                   shard_size_bytes=shard_size_bytes, image_options=opts.as_dict(), do_dedup=dedup)
     if dedup and workers > 1:
@@ -139,6 +147,7 @@ def finalize(out: str | os.PathLike) -> dict | None:
         "format_version": 1,
         "plan_id": pid,
         "num_classes": len(plan["classes"]),
+        "multi_label": bool(plan.get("multi_label")),
         "classes": plan["classes"],
         "num_inputs": plan["num_inputs"],
         "num_rejects": len(rejects),

@@ -16,7 +16,17 @@ from PIL import Image
 IMAGE_EXTS = ("jpg", "png", "webp")
 
 
-def _check_sample(shard: str, key: str, members: dict[str, bytes], num_classes: int) -> list[str]:
+def _check_labels(where: str, meta: dict, cls: int, num_classes: int) -> list[str]:
+    """A multi-label sample's json ``labels``: sorted distinct class indices that include ``.cls``."""
+    labels = meta.get("labels")
+    ok = (isinstance(labels, list) and labels and all(type(c) is int and 0 <= c < num_classes for c in labels)
+          and labels == sorted(set(labels)) and cls in labels)
+    return [] if ok else [f"{where}: json labels {labels!r} are not sorted distinct indices < {num_classes} "
+                          f"holding cls {cls}"]
+
+
+def _check_sample(shard: str, key: str, members: dict[str, bytes], num_classes: int,
+                  multi_label: bool = False) -> list[str]:
     where = f"{shard}: sample {key}"
     exts = sorted(members)
     images = [e for e in exts if e in IMAGE_EXTS]
@@ -31,6 +41,8 @@ def _check_sample(shard: str, key: str, members: dict[str, bytes], num_classes: 
         return [f"{where}: unreadable cls/json ({e})"]
     if meta.get("cls") != cls or not 0 <= cls < num_classes:
         problems.append(f"{where}: cls {cls} (json says {meta.get('cls')}, {num_classes} classes)")
+    if multi_label:
+        problems += _check_labels(where, meta, cls, num_classes)
     if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
         problems.append(f"{where}: sha256 of .{images[0]} does not match its json")
     try:
@@ -44,7 +56,7 @@ def _check_sample(shard: str, key: str, members: dict[str, bytes], num_classes: 
     return problems
 
 
-def check_shard(path: str, num_classes: int) -> tuple[int, list[str], list[str]]:
+def check_shard(path: str, num_classes: int, multi_label: bool = False) -> tuple[int, list[str], list[str]]:
     """One tar → (sample count, keys, problems)."""
     name = os.path.basename(path)
     problems: list[str] = []
@@ -68,7 +80,7 @@ def check_shard(path: str, num_classes: int) -> tuple[int, list[str], list[str]]
     except (tarfile.TarError, OSError, EOFError) as e:
         return 0, [], [f"{name}: unreadable tar ({e})"]
     for key in order:
-        problems += _check_sample(name, key, samples[key], num_classes)
+        problems += _check_sample(name, key, samples[key], num_classes, multi_label)
     return len(order), order, problems
 
 
@@ -92,11 +104,12 @@ def verify(out: str | os.PathLike, workers: int = 1) -> list[str]:
             problems.append(f"_info.json: split {split}: num_samples/shard_lengths/filenames disagree")
         jobs += [(split, f, n) for f, n in zip(s["filenames"], s["shard_lengths"])]
     paths = [str(out / f) for _, f, _ in jobs]
+    multi = bool(info.get("multi_label"))
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
-            results = list(ex.map(check_shard, paths, [len(classes)] * len(paths)))
+            results = list(ex.map(check_shard, paths, [len(classes)] * len(paths), [multi] * len(paths)))
     else:
-        results = [check_shard(p, len(classes)) for p in paths]
+        results = [check_shard(p, len(classes), multi) for p in paths]
     seen: set[str] = set()
     total = 0
     for (_split, fname, expected), (count, keys, probs) in zip(jobs, results):

@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -17,7 +18,10 @@ examples:
   vitp prep data/imagenet/train out/in1k --resize-shorter 256 --shard-range 0:16   # one SLURM array task
 
 A manifest (.csv/.jsonl/.parquet) has a path column (relative to the manifest) and a label column
-(class names or integer indices). Rerunning the same command resumes: complete shards are kept.
+(class names or integer indices), or a labels column for multi-label data (`3;17;42`, a JSON list,
+or a list value; names or indices; the sample's .cls is the first one, or the label column's value
+when the manifest has both, and the json holds them all as "labels"). Rerunning the same command
+resumes: complete shards are kept.
 """
 
 VERIFY_EPILOG = """\
@@ -52,6 +56,9 @@ def _prep_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-column", help="manifest column naming each row's split (instead of --val-fraction)")
     p.add_argument("--path-column", default="path", help="manifest path column (default path)")
     p.add_argument("--label-column", default="label", help="manifest label column (default label)")
+    p.add_argument("--labels-column", default="labels",
+                   help="manifest column of several labels per image; its presence makes the data multi-label "
+                        "(default labels)")
     p.add_argument("--classes", help="class names in index order: .json list or text file, one per line "
                                      "(default: sorted names)")
     p.add_argument("--shard-size", type=parse_size, help="max source bytes per shard, e.g. 500MB")
@@ -83,7 +90,8 @@ def prep_main(argv: list[str]) -> int:
     try:
         summary = prep(
             args.source, args.out, seed=args.seed, val_fraction=args.val_fraction, split_column=args.split_column,
-            path_column=args.path_column, label_column=args.label_column, classes=args.classes,
+            path_column=args.path_column, label_column=args.label_column,
+            labels_column=args.labels_column, classes=args.classes,
             shard_size_bytes=args.shard_size, max_samples_per_shard=max_samples,
             resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
             min_size=args.min_size, max_pixels=args.max_pixels, keep_original=args.keep_original,
@@ -110,7 +118,13 @@ def verify_main(argv: list[str]) -> int:
     if problems:
         print(f"vitp verify: {len(problems)} problem(s) in {args.out}", file=sys.stderr)
         return 1
-    print(f"vitp verify: {args.out} OK")
+    # verify() has read every shard and found the counts of _info.json true: say them
+    info = json.loads((Path(args.out) / "_info.json").read_text(encoding="utf-8"))
+    splits = info.get("splits", {})
+    shards = sum(len(s["filenames"]) for s in splits.values())
+    per_split = ", ".join(f"{name} {s['num_samples']}" for name, s in splits.items())
+    print(f"vitp verify: {args.out} OK: {shards} shards, {sum(s['num_samples'] for s in splits.values())} samples "
+          f"({per_split}), {info.get('num_rejects', 0)} rejects")
     return 0
 
 

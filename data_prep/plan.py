@@ -90,8 +90,9 @@ def plan_shards(items: list[Item], split: str, max_samples: int | None, max_byte
         if full:
             close()
             cur, cur_bytes = [], 0
-        # sample = [key, source path, class index, class name]; keys carry no dot (webdataset splits there)
-        cur.append([f"{split}_{i:08d}", it.rel, it.cls, it.label])
+        # sample = [key, source path, class index, class name(, every class index: multi-label)]; keys
+        # carry no dot (webdataset splits there)
+        cur.append([f"{split}_{i:08d}", it.rel, it.cls, it.label, *([list(it.labels)] if it.labels else [])])
         cur_bytes += it.size
     if cur:
         close()
@@ -121,7 +122,9 @@ def build_plan(
             raise ValueError(f"split name {name!r} must match [A-Za-z0-9_]+")
     shards = [s for name, its in splits.items()
               for s in plan_shards(its, name, max_samples_per_shard, shard_size_bytes)]
+    multi = {"multi_label": True} if src.multi_label else {}  # single-label plans keep their bytes and ids
     return {
+        **multi,
         "version": PLAN_VERSION,
         "root": src.root,
         "seed": seed,

@@ -51,7 +51,7 @@ def _work(task: tuple) -> list[tuple]:
     root, opts, shard, start, samples = task
     kill = os.environ.get(KILL_ENV, "")
     out = []
-    for i, (key, rel, cls, label) in enumerate(samples, start):
+    for i, (key, rel, cls, label, *labels) in enumerate(samples, start):
         if kill == f"{shard}:{i}":
             os.kill(os.getpid(), signal.SIGKILL)
         try:
@@ -64,6 +64,8 @@ def _work(task: tuple) -> list[tuple]:
             "orig_width": s.orig_width, "orig_height": s.orig_height,
             "width": s.width, "height": s.height, "sha256": s.sha256,
         }
+        if labels:  # multi-label: the full set rides in the json (timm: target_key="labels"); .cls stays primary
+            meta["labels"] = labels[0]
         # members of a sample sorted by extension: cls < jpg < json < png < webp. Serialised here, in
         # parallel: the main process (one core's worth shared with the workers) only appends bytes.
         members = {"cls": str(cls).encode(), s.ext: s.data, "json": json.dumps(meta, sort_keys=True).encode()}

@@ -1,5 +1,11 @@
 """Inputs → a flat list of Items: an ImageFolder tree (root/<class>/<image>) or a CSV/JSONL/Parquet manifest.
 
+A manifest with a ``labels`` column is multi-label: each cell holds one or more labels, as
+``3;17;42``, a JSON list (``[3, 17]``, ``["cat", "dog"]``) or, in JSONL/Parquet, a list value;
+class names or integer indices, as for ``label``. The primary label (the sample's ``.cls``) is the
+``label`` column's value when the manifest has both (it must be one of ``labels``), else the first
+label listed. Duplicates in a cell count once.
+
 Listing never opens images. Entries that can be judged bad without reading them (no class, not an
 image extension, a directory symlink loop, a bad label) become plan-level rejects here; everything
 else is judged by the image worker.
@@ -27,6 +33,7 @@ class Item:
     cls: int  # class index
     split: str | None = None  # from a split column, else assigned by the plan
     size: int = 0  # bytes on disk (0 when unknown); used only for byte-based shard planning
+    labels: tuple[int, ...] | None = None  # multi-label: every class index, sorted (None: single-label)
 
 
 @dataclass
@@ -35,6 +42,7 @@ class Source:
     classes: list[str]
     items: list[Item] = field(default_factory=list)
     rejects: list[dict] = field(default_factory=list)  # {"path", "reason", "detail"}
+    multi_label: bool = False  # items carry `labels` (a manifest with a labels column)
 
 
 def _reject(rel: str, reason: str, detail: str) -> dict:
@@ -112,7 +120,8 @@ def list_image_folder(root: str | os.PathLike, classes: list[str] | None = None)
     return src
 
 
-def _read_rows(path: Path, columns: list[str]) -> list[dict]:
+def _read_rows(path: Path, wanted: list[str]) -> tuple[list[dict], list[str]]:
+    """(rows, the manifest's column names); a Parquet file is read only for the ``wanted`` columns it has."""
     suffix = path.suffix.lower()
     if suffix == ".csv":
         with open(path, newline="", encoding="utf-8") as f:
@@ -132,14 +141,55 @@ def _read_rows(path: Path, columns: list[str]) -> list[dict]:
         import pyarrow.parquet as pq  # lazy: pyarrow is only needed for Parquet manifests
 
         have = pq.read_schema(path).names
-        present = [c for c in columns if c in have]
-        rows = pq.read_table(path, columns=present).to_pylist()
+        rows = pq.read_table(path, columns=[c for c in dict.fromkeys(wanted) if c in have]).to_pylist()
     else:
         raise ValueError(f"{path}: manifest must end in .csv, .jsonl or .parquet")
+    return rows, list(have)
+
+
+def _require(path: Path, have: list[str], columns: list[str]) -> None:
     for c in columns:
         if c not in have:
             raise ValueError(f"{path}: manifest has no column {c!r} (columns: {', '.join(map(str, have))})")
-    return rows
+
+
+def _cell_labels(raw) -> list[str] | None:
+    """A labels cell → its labels as stripped strings (ints as decimals); None if it cannot be read."""
+    if isinstance(raw, str):
+        text = raw.strip()
+        if text.startswith(("[", "{")):  # JSON; only a list is one
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError:
+                return None
+        else:
+            return [t.strip() for t in text.split(";") if t.strip()]
+    if raw is None:
+        return []
+    if not isinstance(raw, (list, tuple)) or any(isinstance(x, (bool, float, list, dict)) for x in raw):
+        return None
+    return [str(x).strip() for x in raw if x is not None and str(x).strip() != ""]
+
+
+def _class_names(values: list[str], classes: list[str] | None) -> tuple[list[str], bool]:
+    """(class names, whether labels are integer indices) from every label string of a manifest."""
+    as_index = bool(values) and all(_INT.match(v) for v in values)
+    if classes is not None:
+        return list(classes), as_index
+    if as_index:  # integer labels are indices already; names are their decimal strings
+        return [str(i) for i in range(max(int(v) for v in values) + 1)], True
+    return sorted(set(values)), False
+
+
+def _resolve(label: str, as_index: bool, names: list[str], index: dict[str, int]) -> tuple[int | None, str]:
+    """One label → (class index, "") or (None, why it is bad)."""
+    if as_index:
+        if int(label) >= len(names):
+            return None, f"label {int(label)} >= {len(names)} classes"
+        return int(label), ""
+    if label in index:
+        return index[label], ""
+    return None, f"label {label!r} is not a known class"
 
 
 def list_manifest(
@@ -148,50 +198,62 @@ def list_manifest(
     path_column: str = "path",
     label_column: str = "label",
     split_column: str | None = None,
+    labels_column: str = "labels",
 ) -> Source:
-    """Rows with a path (relative to the manifest's directory) and a label (class name or integer index)."""
+    """Rows with a path (relative to the manifest's directory) and a label (class name or integer
+    index), or, if the manifest has ``labels_column``, one or more labels (multi-label)."""
     manifest = Path(manifest).absolute()
-    cols = [path_column, label_column] + ([split_column] if split_column else [])
-    rows = _read_rows(manifest, cols)
-    labels = [r.get(label_column) for r in rows]
-    present = [str(x).strip() for x in labels if x is not None and str(x).strip() != ""]
-    int_labels = bool(present) and all(isinstance(x, int) or _INT.match(str(x).strip()) for x in labels if x is not None
-                                       and str(x).strip() != "")
-    if classes is not None:
-        class_names = list(classes)
-    elif int_labels:  # integer labels are indices already; names are their decimal strings
-        class_names = [str(i) for i in range(max(int(x) for x in present) + 1)]
-    else:
-        class_names = sorted(set(present))
+    extra = [split_column] if split_column else []
+    rows, have = _read_rows(manifest, [path_column, label_column, labels_column, *extra])
+    multi = labels_column in have
+    _require(manifest, have, [path_column, labels_column if multi else label_column, *extra])
+    primary_column = label_column if multi and label_column in have else None
+    cells = [_cell_labels(r.get(labels_column)) if multi else [_text(r.get(label_column))] for r in rows]
+    values = [v for c in cells if c for v in c if v != ""]
+    class_names, as_index = _class_names(values, classes)
     index = {c: i for i, c in enumerate(class_names)}
-    src = Source(root=str(manifest.parent), classes=class_names)
-    for n, row in enumerate(rows, 1):
+    src = Source(root=str(manifest.parent), classes=class_names, multi_label=multi)
+    for n, (row, cell) in enumerate(zip(rows, cells), 1):
         rel = str(row.get(path_column) or "").strip()
-        raw = row.get(label_column)
-        label = "" if raw is None else str(raw).strip()
         where = rel or f"{manifest.name}:row {n}"
         if not rel:
             src.rejects.append(_reject(where, "bad_row", f"empty {path_column!r}"))
             continue
-        if int_labels and label != "":
-            cls = int(label)
-            if cls >= len(class_names):
-                src.rejects.append(_reject(where, "bad_label", f"label {cls} >= {len(class_names)} classes"))
-                continue
-            label = class_names[cls]
-        elif label in index:
-            cls = index[label]
-        else:
-            src.rejects.append(_reject(where, "bad_label", f"label {label!r} is not a known class"))
+        if cell is None:
+            src.rejects.append(_reject(where, "bad_label", f"{labels_column} {_text(row.get(labels_column))!r}: not "
+                                                           "'a;b;c', a JSON list or a list of names/indices"))
             continue
+        if multi and not cell:
+            src.rejects.append(_reject(where, "bad_label", f"{labels_column} is empty"))
+            continue
+        resolved = [_resolve(v, as_index, class_names, index) if v != "" else (None, "") for v in cell]
+        bad = next((why for c, why in resolved if c is None), None)
+        if bad is not None:
+            src.rejects.append(_reject(where, "bad_label", bad or f"label {cell[0]!r} is not a known class"))
+            continue
+        cls = resolved[0][0]
+        labels = None
+        if multi:
+            labels = tuple(sorted({c for c, _ in resolved}))
+            if primary_column and _text(row.get(primary_column)) != "":
+                cls, why = _resolve(_text(row.get(primary_column)), as_index, class_names, index)
+                if cls is None or cls not in labels:
+                    src.rejects.append(_reject(where, "bad_label", why or f"{primary_column} "
+                                               f"{_text(row.get(primary_column))!r} is not one of its {labels_column}"))
+                    continue
         split = None
         if split_column:
             split = str(row.get(split_column) or "").strip()
             if not SPLIT_NAME.match(split):
                 src.rejects.append(_reject(where, "bad_split", f"split {split!r} must match [A-Za-z0-9_]+"))
                 continue
-        src.items.append(Item(rel=rel, label=label, cls=cls, split=split, size=_size(os.path.join(src.root, rel))))
+        src.items.append(Item(rel=rel, label=class_names[cls], cls=cls, split=split,
+                              size=_size(os.path.join(src.root, rel)), labels=labels))
     return src
+
+
+def _text(raw) -> str:
+    return "" if raw is None else str(raw).strip()
 
 
 def list_source(
@@ -200,6 +262,7 @@ def list_source(
     path_column: str = "path",
     label_column: str = "label",
     split_column: str | None = None,
+    labels_column: str = "labels",
 ) -> Source:
     """Dispatch on the source kind: a directory is an ImageFolder tree, a file is a manifest."""
     p = Path(source)
@@ -212,4 +275,4 @@ def list_source(
         raise FileNotFoundError(f"{source}: no such directory or manifest")
     if p.suffix.lower() not in MANIFEST_EXTS:
         raise ValueError(f"{source}: not a directory and not a .csv/.jsonl/.parquet manifest")
-    return list_manifest(p, names, path_column, label_column, split_column)
+    return list_manifest(p, names, path_column, label_column, split_column, labels_column)

@@ -2,7 +2,8 @@
 
 scikit-learn's handwritten digits (1797 real 8x8 scans) → an ImageFolder of upsampled PNGs and a
 manifest with a stratified train/val/test split → `prep` (WebDataset shards) → `pretrain` (2 local
-ranks, DeepSpeed ZeRO-2, low resolution) → `transfer` (2x resolution, 2D pos-emb resampling) →
+ranks, DeepSpeed ZeRO-2, low resolution; a few-shot evaluator on the digits' own train/test splits
+every 250 steps draws the few-shot curve in MLflow) → `transfer` (2x resolution, 2D pos-emb resampling) →
 `eval` on the held-out test split (top-1 and few-shot) → figures; everything tracked in one local
 MLflow store. `--data DIR` runs the same flow on a user's own ImageFolder.
 """
@@ -102,9 +103,13 @@ def run_demo(out: Path, *, data: Path | None = None, nprocs: int = 2, pretrain_s
         return "samples", sum((res["num_samples"] or {}).values())
 
     def do_pretrain():
+        # the digits are their own downstream set (a user's folder has no test split to score)
+        fewshot = [f"eval.fewshot_data=[digits={shards}]"] if data is None else []  # every 250 steps (recipe)
         _run_ranks(["pretrain", "--config", str(PRETRAIN_RECIPE), f"run.dir={pre_dir}", "model.img_size=16",
                     f"train.steps={pretrain_steps}", f"checkpoint.every={pretrain_steps}",
-                    "engine.zero_stage=2", "train.log_every=50", *PRETRAIN_TUNING, *common], nprocs)
+                    "engine.zero_stage=2", "train.log_every=50", *fewshot, *PRETRAIN_TUNING, *common], nprocs)
+        if fewshot:
+            summary_extra["pretrain_fewshot_10shot"] = _metric_curve(pre_dir, "fewshot/digits/10shot")
         return "train_loss", _last_metric(pre_dir, "loss")
 
     def do_transfer():
@@ -154,6 +159,12 @@ def _last_metric(run_dir: Path, key: str):
     lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     vals = [r[key] for r in lines if key in r]
     return round(vals[-1], 4) if vals else None
+
+
+def _metric_curve(run_dir: Path, key: str) -> dict[int, float]:
+    """{step: value} of ``key`` in a run's metrics.jsonl."""
+    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return {r["step"]: round(r[key], 4) for r in lines if key in r}
 
 
 def _results(run_dir: Path) -> dict:

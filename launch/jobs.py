@@ -3,7 +3,9 @@
 Every submission appends one line to ``<cluster.log_dir>/index.jsonl`` (job id, stage, folder,
 executor, run dir, sweep id). A job's state comes from SLURM (squeue keeps finished jobs for
 MinJobAge; sacct when accounting exists); submitit's own watcher needs sacct, which small clusters
-often lack. The job's result.json (written by rank 0, see launch/preempt.py) says how it ended.
+often lack. The job's result.json (written by rank 0, see launch/preempt.py) says how it ended, or
+its error.<rank>.json records which error ended it; a job that left neither and that no scheduler lists
+any more was killed.
 Nothing here unpickles anything.
 """
 
@@ -65,22 +67,31 @@ def _run(cmd: list[str]) -> str | None:
         return None
 
 
+GONE = "GONE"  # squeue answered without the job and sacct does not know it: the job has ended
+
+
 def slurm_states(job_ids: list[str]) -> dict[str, str]:
-    """SLURM state per job id ("123" or array task "123_4"); ids SLURM no longer knows are left out."""
+    """SLURM state per job id ("123" or array task "123_4"). A job squeue no longer lists (MinJobAge
+    passed) and sacct does not know (no accounting) is GONE; while squeue cannot be reached the ids
+    are left out (their state is unknown, not ended)."""
     want = set(job_ids)
+    if not want:
+        return {}
     states: dict[str, str] = {}
-    out = _run(["squeue", "-h", "-r", "-t", "all", "-o", "%i|%T"]) or ""
-    for line in out.splitlines():
+    out = _run(["squeue", "-h", "-r", "-t", "all", "-o", "%i|%T"])
+    for line in (out or "").splitlines():
         jid, _, state = line.strip().partition("|")
         if jid in want:
             states[jid] = state.upper()
     missing = sorted(want - set(states))
     if missing:
-        out = _run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", *[f"-j{j}" for j in missing]]) or ""
-        for line in out.splitlines():
+        acct = _run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", *[f"-j{j}" for j in missing]]) or ""
+        for line in acct.splitlines():
             jid, _, state = line.strip().partition("|")
             if jid in want and state:
                 states[jid] = state.split()[0].upper()  # "CANCELLED by 0" → CANCELLED
+    if out is not None:
+        states.update({j: GONE for j in want - set(states)})
     return states
 
 
@@ -92,38 +103,68 @@ def read_result(folder: str | os.PathLike) -> dict | None:
         return None
 
 
-def _pid_alive(pid: str) -> bool:
+def read_errors(folder: str | os.PathLike) -> list[dict]:
+    """The ranks' error records (launch/preempt.py write_error), earliest first: the first rank to fail
+    names the cause; the others usually failed because it left their collective."""
+    out = []
+    for p in Path(folder).glob("error.*.json"):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return sorted(out, key=lambda e: (e.get("time", 0), e.get("rank", 0)))
+
+
+def _local_alive(pid: str) -> bool:
+    """The local executor's controller (a `submitit.local._local` process) still runs. A zombie (the
+    submitting process has not reaped it) or a pid recycled by another program is not it, where /proc
+    can tell."""
     try:
         os.kill(int(pid), 0)
     except (ValueError, OSError):
         return False
-    return True
+    proc = Path(f"/proc/{int(pid)}")
+    try:
+        if proc.joinpath("stat").read_text().rpartition(")")[2].split()[0] == "Z":
+            return False
+        cmdline = proc.joinpath("cmdline").read_bytes()  # empty for an instant while it execs
+    except (OSError, IndexError):
+        return True  # no /proc here: kill(0) is all there is
+    return not cmdline or b"submitit" in cmdline
+
+
+def ended_state(folder: str | os.PathLike) -> str:
+    """The state of a job that no longer runs, from what it left: result.json, else error records."""
+    res = read_result(folder)
+    if res is None:
+        return "FAILED"  # an error record, or nothing at all: killed, out of memory, node lost
+    if res.get("status") == "completed":
+        return "COMPLETED"
+    return "CANCELLED" if res.get("stop_reason") == "cancel" else "FAILED"
 
 
 def job_state(entry: dict, slurm: dict[str, str] | None = None) -> str:
-    """SLURM's state, or for local jobs (pid ids) RUNNING / COMPLETED / FAILED from result.json."""
-    jid = entry["job_id"]
-    if entry.get("executor", "slurm") == "slurm":
-        states = slurm if slurm is not None else slurm_states([jid])
-        if jid in states:
-            return states[jid]
-    res = read_result(entry.get("folder", ""))
-    if entry.get("executor") == "local" and _pid_alive(jid) and res is None:
+    """SLURM's state (or, once SLURM has forgotten the job, what the job left behind); for local jobs
+    (pid ids) RUNNING while the controller lives, then what it left. UNKNOWN: SLURM cannot be asked."""
+    jid, folder = entry["job_id"], entry.get("folder", "")
+    executor = entry.get("executor", "slurm")
+    if executor == "slurm":
+        state = (slurm if slurm is not None else slurm_states([jid])).get(jid)
+        if state is None:
+            return ended_state(folder) if read_result(folder) else "UNKNOWN"
+        return ended_state(folder) if state == GONE else state
+    if executor == "local" and _local_alive(jid) and read_result(folder) is None:
         return "RUNNING"
-    if res is None:
-        return "UNKNOWN"
-    return "COMPLETED" if res.get("status") == "completed" else "FAILED"
+    return ended_state(folder)
 
 
 def wait(entries: list[dict], poll_s: float = 2.0, timeout_s: float | None = None) -> dict[str, str]:
-    """Block until every job is in a terminal state (bounded polling of squeue/sacct)."""
+    """Block until every job is in a terminal state (bounded polling of squeue/sacct, result files)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         slurm = slurm_states([e["job_id"] for e in entries if e.get("executor", "slurm") == "slurm"])
         states = {e["job_id"]: job_state(e, slurm) for e in entries}
-        # UNKNOWN + a result: a job SLURM has forgotten; UNKNOWN without one may not be listed yet.
-        if all(s in TERMINAL or (s == "UNKNOWN" and read_result(e["folder"])) for e, s in
-               zip(entries, states.values())):
+        if all(s in TERMINAL for s in states.values()):
             return states
         if deadline is not None and time.monotonic() > deadline:
             return states
@@ -131,14 +172,23 @@ def wait(entries: list[dict], poll_s: float = 2.0, timeout_s: float | None = Non
 
 
 def outcome(entry: dict, state: str) -> tuple[bool, str]:
-    """(ok, one line) for a finished job: ok only when SLURM says COMPLETED and the stage completed."""
-    res = read_result(entry["folder"]) or {}
+    """(ok, one line) for a finished job: ok only when SLURM says COMPLETED and the stage completed;
+    otherwise the line carries the error's last line (or says that the job left none)."""
+    jid, folder = entry["job_id"], entry["folder"]
+    res = read_result(folder) or {}
     status = res.get("status")
-    ok = state in ("COMPLETED", "UNKNOWN") and status == "completed"
+    ok = state == "COMPLETED" and status == "completed"
     detail = f"status={status}" + (f" step={res['step']}" if "step" in res else "")
     if res.get("stop_reason"):
         detail += f" stop_reason={res['stop_reason']}"
-    return bool(ok), f"job {entry['job_id']} {state} {detail} (logs: vitp logs {entry['job_id']})"
+    if ok or status == "stopped":
+        return bool(ok), f"job {jid} {state} {detail} (logs: vitp logs {jid})"
+    errors = read_errors(folder)
+    if errors:
+        rank = errors[0].get("rank", 0)
+        return False, f"job {jid} {state}: {errors[0].get('error')} (rank {rank}; logs: vitp logs {jid} --rank {rank})"
+    why = detail if res else "no result.json and no error record: the job was killed (time limit, memory, node?)"
+    return False, f"job {jid} {state}: {why} (logs: vitp logs {jid})"
 
 
 # --------------------------------------------------------------------------------------------------

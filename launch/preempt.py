@@ -15,7 +15,8 @@ callable then
    ``vitp submit --wait`` then keep waiting for the requeued run).
 
 Files in the job folder (cfg.cluster.log_dir/JOBID): config.yaml (resolved), result.json (the final
-outcome, rank 0), events.jsonl (one line per requeue), submitit's logs and pickles.
+outcome, rank 0), error.<rank>.json (that rank raised: its error's last line), events.jsonl (one line
+per requeue), submitit's logs and pickles.
 """
 
 from __future__ import annotations
@@ -142,6 +143,24 @@ def _write_result(folder: Path, summary: dict) -> None:
     write_json(folder / "result.json", summary)
 
 
+def error_line(e: BaseException) -> str:
+    """The error's last line, e.g. "DataError: x/_info.json: not found" (a multi-line message: its last)."""
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return f"{type(e).__name__}: {lines[-1].strip()}" if len(lines) == 1 else f"{type(e).__name__}: ... {lines[-1]}"
+
+
+def write_error(folder: Path, rank: int, e: BaseException) -> None:
+    """``error.<rank>.json``: this rank's stage raised. `vitp submit --wait`, `vitp jobs` and outcome()
+    read it, so a failed job ends the wait with its error even where no scheduler remembers the job."""
+    try:
+        write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": _restarts(), "time": time.time(),
+                                                   "error": error_line(e)})
+    except OSError as oe:  # the record is a courtesy; the exception itself must still propagate
+        print(f"vitp: could not write {folder}/error.{rank}.json ({oe})", file=sys.stderr, flush=True)
+
+
 def resolve_target(target: str):
     module, func = target.split(":")
     return getattr(importlib.import_module(module), func)
@@ -176,14 +195,21 @@ class StageJob:
     def __call__(self) -> dict:
         import submitit  # only here and in launch/submit.py
 
+        job_env = submitit.JobEnvironment()
+        folder = Path(job_env.paths.folder)
+        try:
+            return self._run(job_env, folder)
+        except Exception as e:  # SystemExit (stop, requeue) passes: those are not failures
+            write_error(folder, int(job_env.global_rank), e)
+            raise
+
+    def _run(self, job_env, folder: Path) -> dict:
         from pipeline.config import from_dict
 
-        job_env = submitit.JobEnvironment()
         d = job_dist_env(job_env)
         export_env(d)
         os.environ.update({k: str(v) for k, v in self.env.items()})
         os.environ["VITP_JOB_ID"] = str(job_env.job_id)
-        folder = Path(job_env.paths.folder)
         cfg = from_dict(self.cfg, world_size=d.world_size)
         stopping.clear()
         if self.stage in COOPERATIVE:
@@ -197,6 +223,10 @@ class StageJob:
         choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)
         init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
 
+        if "VITP_TEST_PAUSE_AT_STEP" in os.environ:  # tests: hold every rank before the stage starts (step 0)
+            from pipeline.train.checkpoint import maybe_fault
+
+            maybe_fault("step", 0)
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
         result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
         leave_process_group()  # every rank returned; what follows synchronises through files

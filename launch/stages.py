@@ -131,7 +131,8 @@ def eval_main(argv: list[str]) -> int:
     from pipeline.evaluate import evaluate
 
     p = parser_for("eval", "Evaluate a checkpoint: top-1/top-5, per-class accuracy and confusion matrix on a "
-                           "split; few-shot linear evaluation and a linear probe on frozen features.")
+                           "split (on multi-label data: precision@1, mean average precision and per-class AP); "
+                           "few-shot linear evaluation and a linear probe on frozen features.")
     add_eval_args(p)
     args = p.parse_args(argv)
     try:

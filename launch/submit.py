@@ -6,8 +6,8 @@
     vitp submit prep ~/imagenet/train shards/ --tasks 16 --resize-shorter 256   # array over shard ranges
 
 Everything that can be wrong is checked here, at the login node, before ``sbatch``: the config
-(types, ranges, batch divisibility), the partition (``sinfo``), the data (``_info.json``, enough
-shards for ranks × workers). A mistake is one line on stderr and exit 2; nothing is submitted.
+(types, ranges, batch divisibility), the partition (``sinfo``), the data (``_info.json`` holds
+every split the run reads). A mistake is one line on stderr and exit 2; nothing is submitted.
 
 What runs inside the job (rendezvous, signals, requeue) is launch/preempt.py; the submission index
 and `vitp jobs/logs/cancel` are launch/jobs.py. This module and those are the only users of submitit.
@@ -107,34 +107,38 @@ def check_cluster(cfg, cluster: str) -> None:
                               f"(this cluster has: {', '.join(known) or 'none'})")
 
 
+def splits_read(cfg, stage: str) -> dict[str, str | None]:
+    """Config key → split name for every split the stage reads: training stages read the train split
+    and, when data.val_split is set, the val split (periodic and final evaluation; transfer's final
+    evaluation reads 'val' even then, see pipeline/transfer.py); eval reads the val split."""
+    val = {"data.val_split": cfg.data.val_split or ("val" if stage == "transfer" else None)}
+    return val if stage == "eval" else {"data.train_split": cfg.data.train_split, **val}
+
+
 def check_data(cfg, stage: str) -> None:
-    """The dataset exists, is complete, and has a shard for every (rank, loader worker)."""
+    """The dataset exists and has every split the run will read (pipeline.data.shards.check_splits,
+    which the stage repeats at its start). Fewer shards than ranks x loader workers is fine: the loader
+    splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
+    from pipeline.data.loader import DataError, check_splits
     from pipeline.data.synthetic import is_synthetic
 
     path = cfg.data.path
-    if (stage == "eval" and not path) or is_synthetic(path):
+    if stage == "eval" and not path:
         return
     if not path:
         raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
-    info_path = Path(path) / "_info.json"
-    if not info_path.is_file():
-        raise SubmitError(f"data.path: {info_path} not found (not a `vitp prep` output, or prep not finished)")
     try:
-        info = json.loads(info_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SubmitError(f"data.path: {info_path} is not valid JSON ({e})") from None
-    split = cfg.data.train_split
-    if stage == "eval" or cfg.data.resampled:
+        check_splits(path, splits_read(cfg, stage))
+    except DataError as e:
+        raise SubmitError(str(e)) from None
+    if stage == "eval" or cfg.data.resampled or is_synthetic(path):
         return
-    shards = (info.get("splits") or {}).get(split, {}).get("filenames")
-    if not shards:
-        raise SubmitError(f"data.train_split: {info_path} has no split {split!r} "
-                          f"(has: {', '.join(info.get('splits') or {}) or 'none'})")
-    need = cfg.world_size_planned * max(1, cfg.data.workers)
-    if len(shards) < need:
-        raise SubmitError(
-            f"data.path: {len(shards)} {split!r} shards < world size {cfg.world_size_planned} x data.workers "
-            f"{max(1, cfg.data.workers)} = {need}; write smaller shards or set data.resampled=true")
+    files = json.loads((Path(path) / "_info.json").read_text())["splits"][cfg.data.train_split]["filenames"]
+    streams = cfg.world_size_planned * max(1, cfg.data.workers)
+    if len(files) < streams and any("://" in f or f.startswith("pipe:") for f in files):
+        print(f"warning: data.path: {len(files)} remote {cfg.data.train_split!r} shards for {streams} loader "
+              "streams (ranks x data.workers): streams sharing a shard each read it from its start; "
+              "more, smaller shards read faster", file=sys.stderr)
 
 
 def check_stage_importable(stage: str, target: str | None) -> None:
@@ -215,6 +219,13 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
         (Path(cfgs[0].cluster.log_dir) / "%j").rmdir()
     except OSError:
         pass
+    if cluster == "debug":  # submitit's debug executor runs a job in this process when its result is asked for
+        for job in jobs:
+            job.environ["SUBMITIT_FOLDER"] = str(job.paths.folder)  # JobEnvironment.paths reads it
+            try:
+                job.results()
+            except Exception:  # noqa: S110 — the job folder holds its error record; outcome() reports it
+                pass
     entries = []
     for job, cfg, call in zip(jobs, cfgs, calls):
         folder = Path(job.paths.folder)

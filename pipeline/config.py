@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ class TrainCfg:
     loss: Literal["softmax", "sigmoid"] = "softmax"
     log_every: int = _f(10, lo=1)
     eval_every: int = _f(0, lo=0)  # 0: only at the end
+    fewshot_every: int = _f(0, lo=0)  # few-shot evaluators (eval.fewshot_data); 0: only at the end
     compile: bool | None = None  # torch.compile each block; None: on GPUs, off on CPU (it does not pay there)
 
 
@@ -190,6 +192,7 @@ class EvalCfg:
     fewshot_l2: float = _f(1.0, positive=True)  # ridge regulariser (the paper searches it)
     linear_probe: bool = False
     batch: int = _f(64, lo=1)
+    fewshot_data: list[str] = _f([])  # [NAME=]`vitp prep` folders (train + test splits) scored while training
     # the evaluation stage (`vitp eval`, `vitp submit eval`); data.path names the dataset
     checkpoint: str | None = None  # run dir, checkpoint folder or weights file
     split: str = "val"  # the split scored; few-shot and the probe fit on data.train_split
@@ -450,6 +453,15 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError("optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)")
     if any(s < 1 for s in cfg.eval.fewshot_shots):
         raise ConfigError(f"eval.fewshot_shots: shots must be >= 1; got {cfg.eval.fewshot_shots}")
+    names = [n for n, _ in fewshot_sets(cfg.eval.fewshot_data)]
+    if not all(re.fullmatch(r"[\w.-]+", n) for n in names) or len(set(names)) != len(names):
+        raise ConfigError(f"eval.fewshot_data: each set needs its own name of [A-Za-z0-9_.-] (metrics are "
+                          f"fewshot/<name>/...: the folder's, or NAME=PATH); got {cfg.eval.fewshot_data}")
+
+
+def fewshot_sets(entries: list[str]) -> list[tuple[str, str]]:
+    """eval.fewshot_data entries -> (name, folder): ``NAME=PATH``, or the folder's own name."""
+    return [tuple(e.split("=", 1)) if "=" in e else (Path(e.rstrip("/")).name, e) for e in entries]
 
 
 def _variant_patch(name: str | None) -> int | None:

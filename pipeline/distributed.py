@@ -259,6 +259,18 @@ def all_gather_object(obj) -> list:
     return parts
 
 
+def gather_object(obj, dst: int = 0) -> list | None:
+    """Every rank's ``obj`` on rank ``dst`` (in rank order), None on the others: one collective
+    that moves data only to where it is used (plain tensors and values between our own ranks)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    parts: list | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, parts, dst=dst)
+    return parts
+
+
 def rank_world() -> tuple[int, int]:
     """(rank, world size): of the live process group, else as the environment says."""
     import torch.distributed as dist

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import Config
+from pipeline.data.loader import check_splits
 from pipeline.distributed import rank0_print
 from pipeline.eval.classify import evaluate_model, write_results
 from pipeline.train.engine import param_groups_layer_decay
@@ -46,7 +47,7 @@ def transfer(cfg: Config) -> Result:
         res = evaluate_model(final, cfg.data, split=split, batch=cfg.eval.batch, device=device,
                              linear_probe=cfg.eval.linear_probe, out_dir=cfg.run.dir,
                              autocast=torch.bfloat16 if device.type == "cuda" else None)
-        run.result.val_top1 = res[split + "/top1"]
+        run.result.val_top1 = res.get(split + "/top1")  # None on multi-label data (prec1, mAP instead)
         if run.rank != 0:
             return
         lineage = source_lineage(cfg.init.from_)
@@ -65,7 +66,10 @@ def transfer(cfg: Config) -> Result:
         example = torch.zeros(2, 3, cfg.model.img_size, cfg.model.img_size).numpy()
         run.tracker.log_model_pytorch(final.cpu().eval(), input_example=example,
                                       registered_name=cfg.tracking.register_name)
-        rank0_print(f"transfer: val top1 {res[split + '/top1']:.4f}  top5 {res[split + '/top5']:.4f}  -> {path}")
+        shown = "  ".join(f"{k} {res[f'{split}/{k}']:.4f}" for k in ("top1", "top5", "prec1", "mAP")
+                          if f"{split}/{k}" in res)
+        rank0_print(f"transfer: val {shown}  -> {path}")
 
+    check_splits(cfg.data.path, {"data.val_split": cfg.data.val_split or "val"})  # publish scores it
     return train(cfg, build, stage="transfer", finish=publish,
                  param_groups=lambda m: param_groups_layer_decay(m, cfg.optim.layer_decay, cfg.optim.weight_decay))

@@ -6,8 +6,11 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -133,3 +136,12 @@ def tree_bytes(out: Path) -> dict[str, bytes]:
     """Every file that must be byte-identical between equivalent runs (timings live only in *_stats.json)."""
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())
             if p.is_file() and not p.name.endswith("_stats.json")}
+
+
+def vitp_prep(images: Path, out: Path, *args: str) -> dict:
+    """`vitp prep IMAGES OUT ARGS` run as a user runs it; returns the _info.json it wrote."""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "prep", str(images), str(out), "--no-progress", *args],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads((Path(out) / "_info.json").read_text())

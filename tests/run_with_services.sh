@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
-# Start what the tests need, run pytest with the given arguments, stop what was started.
-# As root (CI): the local SLURM cluster and the MLflow server, and their tests must not skip.
+# Start what the tests need, run pytest with the given arguments, stop what this script started.
+# As root (CI): install the Debian packages when missing (launch/services/install-debian.sh), start the
+# local SLURM cluster and the MLflow server; their tests must not skip.
 # Not root: the MLflow server only; SLURM tests skip with a reason.
+# A service that was already up (`make services-up`, another session) is used and left up.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${VITP_PYTHON:-.venv/bin/python}
 export VITP_PYTHON=$PY
 started=()
 cleanup() {
+  local s
   for s in "${started[@]}"; do bash "launch/services/$s.sh" down >/dev/null 2>&1 || true; done
 }
 trap cleanup EXIT
 
-if [ -f launch/services/mlflow.sh ]; then
-  out=$(bash launch/services/mlflow.sh up) || { echo "$out"; echo "error: MLflow server did not start" >&2; exit 1; }
-  started+=(mlflow)
-  uri=$(printf '%s\n' "$out" | sed -n 's/^MLFLOW_TRACKING_URI=//p' | tail -1)
-  [ -n "$uri" ] && export VITP_TEST_MLFLOW_URI=$uri
+if [ "$(id -u)" = 0 ]; then
+  bash launch/services/install-debian.sh services || exit 2
+else
+  # Not fatal: the SLURM tests skip without root anyway; mlflow.sh says so if curl is what is missing.
+  bash launch/services/install-debian.sh services || true
 fi
-if [ "$(id -u)" = 0 ] && [ -f launch/services/slurm.sh ]; then
-  bash launch/services/slurm.sh up || { echo "error: SLURM cluster did not start" >&2; exit 1; }
-  started+=(slurm)
+
+if bash launch/services/mlflow.sh status >/dev/null 2>&1; then
+  echo "run_with_services.sh: MLflow server already up; leaving it up"
+else
+  started+=(mlflow)  # before `up`: a half-started server is stopped too
+  out=$(bash launch/services/mlflow.sh up) || { echo "$out"; echo "error: MLflow server did not start" >&2; exit 1; }
+fi
+
+if [ "$(id -u)" = 0 ]; then
+  if bash launch/services/slurm.sh status >/dev/null 2>&1; then
+    echo "run_with_services.sh: SLURM cluster already up; leaving it up"
+  else
+    started+=(slurm)
+    bash launch/services/slurm.sh up || { echo "error: SLURM cluster did not start" >&2; exit 1; }
+  fi
   export VITP_SLURM=1
 fi
 

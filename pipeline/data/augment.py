@@ -190,10 +190,22 @@ class EvalTransform:
         return _chw(a[top:top + s, left:left + s])
 
 
-def augment_batch(items, transform, seeds, fill_seed, on_error):
-    """[(key, bytes, label)] × B → (images uint8 [B, 3, S, S], labels int64 [B], keys), or None if no
-    image decodes. An undecodable sample (``on_error(key, err)`` is told) is replaced by another of
-    the same batch re-augmented with seed ``fill_seed(i)``, so the batch keeps its raw samples."""
+def label_batch(labels: list, classes: int | None = None) -> torch.Tensor:
+    """Labels of a batch → int64 [B]; with ``classes`` (multi-label: each label a tuple of class
+    indices) → multi-hot bool [B, classes]."""
+    if classes is None:
+        return torch.tensor(labels, dtype=torch.int64)
+    out = torch.zeros(len(labels), classes, dtype=torch.bool)
+    for i, ls in enumerate(labels):
+        out[i, list(ls)] = True
+    return out
+
+
+def augment_batch(items, transform, seeds, fill_seed, on_error, classes: int | None = None):
+    """[(key, bytes, label)] × B → (images uint8 [B, 3, S, S], labels, keys), or None if no image
+    decodes; labels int64 [B], or multi-hot bool [B, classes] when ``classes`` is given (multi-label).
+    An undecodable sample (``on_error(key, err)`` is told) is replaced by another of the same batch
+    re-augmented with seed ``fill_seed(i)``, so the batch keeps its raw samples."""
     imgs, good = [], []
     for i, ((key, data, _), s) in enumerate(zip(items, seeds)):
         try:
@@ -211,7 +223,7 @@ def augment_batch(items, transform, seeds, fill_seed, on_error):
             imgs[i] = transform(items[j][1], fill_seed(i))
         keys.append(items[j][0])
         labels.append(items[j][2])
-    return stack(imgs), torch.tensor(labels, dtype=torch.int64), keys
+    return stack(imgs), label_batch(labels, classes), keys
 
 
 def stack(images: list[torch.Tensor]) -> torch.Tensor:
@@ -220,12 +232,13 @@ def stack(images: list[torch.Tensor]) -> torch.Tensor:
     return default_collate(images)
 
 
-def eval_batch(items, transform, batch: int, on_error):
-    """[(key, bytes, label)] × n ≤ batch → (images uint8 [batch, 3, S, S], labels int64 [batch],
-    valid bool [batch], keys); rows past n and undecodable ones are invalid (zeros, label -1)."""
+def eval_batch(items, transform, batch: int, on_error, classes: int | None = None):
+    """[(key, bytes, label)] × n ≤ batch → (images uint8 [batch, 3, S, S], labels int64 [batch]
+    (multi-label, ``classes`` given: multi-hot bool [batch, classes]), valid bool [batch], keys);
+    rows past n and undecodable ones are invalid (zeros, label -1 or no class)."""
     blank = torch.zeros(3, transform.size, transform.size, dtype=torch.uint8)
     images = [blank] * batch
-    labels = torch.full((batch,), -1, dtype=torch.int64)
+    labels = [-1 if classes is None else ()] * batch
     valid = torch.zeros(batch, dtype=torch.bool)
     keys = [""] * batch
     for i, (key, data, label) in enumerate(items):
@@ -235,7 +248,7 @@ def eval_batch(items, transform, batch: int, on_error):
             on_error(key, e)
             continue
         labels[i], valid[i], keys[i] = label, True, key
-    return stack(images), labels, valid, keys
+    return stack(images), label_batch(labels, classes), valid, keys
 
 
 def shuffle_buffer(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
@@ -302,19 +315,28 @@ class Mixer:
 
     ``__call__(x [B, 3, H, W] float, y [B] int64) -> (x, soft targets [B, K] float32)``; with mixup
     and cutmix off it only one-hot encodes (with smoothing). B must be even when mixing.
+
+    ``multi_label``: y is multi-hot [B, K] (bool or float). Mixing combines two images' label sets as
+    it does one-hot rows (lam·y + (1-lam)·y[flipped]); smoothing treats every class as its own binary
+    label and moves it towards 0.5 (y·(1-s) + s/2), timm's multi-label convention, made for the
+    per-class sigmoid loss (the softmax loss normalises each row into a distribution).
     """
 
-    def __init__(self, num_classes: int, mixup: float = 0.0, cutmix: float = 0.0, label_smoothing: float = 0.0):
+    def __init__(self, num_classes: int, mixup: float = 0.0, cutmix: float = 0.0, label_smoothing: float = 0.0,
+                 multi_label: bool = False):
         self.num_classes, self.smoothing = int(num_classes), float(label_smoothing)
+        self.multi_label = bool(multi_label)
         self.enabled = mixup > 0 or cutmix > 0
         self._mix = None
         if self.enabled:
             from timm.data import Mixup
 
             self._mix = Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=label_smoothing,
-                              num_classes=self.num_classes)
+                              num_classes=self.num_classes, multi_label=self.multi_label)
 
     def one_hot(self, y: torch.Tensor) -> torch.Tensor:
+        if self.multi_label:
+            return y.float() * (1.0 - self.smoothing) + 0.5 * self.smoothing
         off = self.smoothing / self.num_classes
         t = torch.full((y.shape[0], self.num_classes), off, device=y.device, dtype=torch.float32)
         return t.scatter_(1, y.view(-1, 1).long(), 1.0 - self.smoothing + off)

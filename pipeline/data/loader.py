@@ -2,7 +2,8 @@
 
 A dataset is a `vitp prep` folder: ``_info.json`` (timm's WDS reader layout: splits → filenames,
 shard_lengths, num_samples; num_classes; classes) and tars whose samples are ``<key>.cls`` (label
-text), ``<key>.jpg|png|webp`` and ``<key>.json``.
+text), ``<key>.jpg|png|webp`` and ``<key>.json``. A multi-label dataset (``"multi_label": true``)
+gives multi-hot labels bool ``[B, K]`` from the json's ``labels`` instead of int64 ``[B]``.
 
 A training epoch is a pure function of (seed, epoch, rank, stream), a stream being one worker:
 the shards, permuted with (seed, epoch), form one sample sequence (lengths from ``_info.json``);
@@ -24,9 +25,13 @@ Batches go out as uint8; the training loop normalises on the device::
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
+import signal
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,14 +53,56 @@ from .shards import (  # re-exported: callers import the dataset API from here
     Info,
     SplitInfo,
     _Counts,
+    _read_positions,
     _read_shard,
     _segments,
     _stop,
     read_info,
 )
+from .synthetic import is_synthetic
+from .synthetic import read_info as synthetic_info
 
-__all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "normalize", "DataError",
+__all__ = ["Info", "SplitInfo", "read_info", "check_splits", "TrainLoader", "EvalLoader", "normalize", "DataError",
            "SKIP_REASONS"]
+
+
+# ── Before a run starts ─────────────────────────────────────────────────────────────────────────────
+_HINTS = {
+    "data.val_split": "re-run vitp prep with --val-fraction or set data.val_split= (no evaluation)",
+    "data.train_split": "set data.train_split to one of those, or re-run vitp prep",
+}
+
+
+def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None:
+    """Every split a run will read is in the dataset, before anything starts (submission, stage start).
+
+    ``splits``: config key → split name, e.g. ``{"data.train_split": "train", "data.val_split": "val"}``;
+    a None/empty name (no evaluation) is not read and not checked. Reads only ``_info.json`` (or the
+    synthetic spec). Raises DataError with one line naming the key, the file and what to do::
+
+        data.val_split: 'val' not in SHARDS/_info.json (has: train); re-run vitp prep with --val-fraction ...
+    """
+
+    want = {k: v for k, v in splits.items() if v}
+    if is_synthetic(str(path)):
+        where = f"data.path {path}"
+        has = {k: sp.num_samples for k, sp in synthetic_info(str(path)).splits.items()}
+    else:
+        f = Path(path) / "_info.json"
+        if not f.is_file():
+            raise DataError(f"data.path: {f} not found (not a `vitp prep` output, or prep not finished)")
+        try:
+            raw = json.loads(f.read_text(encoding="utf-8"))
+            has = {str(k): len((sp or {}).get("filenames") or ()) for k, sp in (raw.get("splits") or {}).items()}
+        except (OSError, ValueError, AttributeError) as e:
+            raise DataError(f"data.path: {f} is not a valid _info.json ({e})") from None
+        where = str(f)
+    for key, name in want.items():
+        hint = _HINTS.get(key, "re-run vitp prep or pick another split")
+        if name not in has:
+            raise DataError(f"{key}: {name!r} not in {where} (has: {', '.join(has) or 'none'}); {hint}")
+        if not has[name]:
+            raise DataError(f"{key}: {name!r} in {where} is empty; {hint}")
 
 
 
@@ -77,6 +124,12 @@ def _worker() -> tuple[int, int]:
 
 def _init_worker(_):
     torch.set_num_threads(1)  # decode/augment is per-sample; intra-op threads only fight each other
+    # SLURM sends its stop signals (USR2 before the time limit or on preemption, TERM on scancel) to every
+    # process of the task. They ask the main process to finish the step and save, which needs the workers
+    # alive until then: torch's worker handler would die of TERM, and USR2's default action kills. The
+    # workers still end with their loader, or with the main process (torch's parent watchdog), or by KILL.
+    for sig in (signal.SIGTERM, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _as_is(x):  # collate_fn: batches are made in the workers; keep numpy arrays numpy on the way
@@ -140,7 +193,7 @@ def _stream_quota_start(p, stream: int, n: int) -> int:
 def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts) -> Iterator:
     """Endless raw samples of (rank, stream) for this epoch: its range, then (if bad samples left it
     short) the range again with a new shuffle; resampled mode draws shards with replacement."""
-    seed, rank, sp, K = p["seed"], p["rank"], p["split"], p["num_classes"]
+    seed, rank, sp, K, ml = p["seed"], p["rank"], p["split"], p["num_classes"], p["multi_label"]
     lengths, urls = list(sp.lengths), sp.urls
     if p["resampled"]:
         rng = np.random.default_rng([seed, epoch, rank, stream, 1])
@@ -149,7 +202,8 @@ def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts)
             while True:
                 got = 0
                 for _ in range(len(urls)):
-                    for x in _read_shard(urls[int(rng.integers(len(urls)))], counts, 0, None, num_classes=K):
+                    for x in _read_shard(urls[int(rng.integers(len(urls)))], counts, 0, None, num_classes=K,
+                                         multi_label=ml):
                         got += 1
                         yield x
                 if not got:
@@ -162,7 +216,8 @@ def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts)
     for rnd in itertools.count():
         got = 0
         counts.rereading = rnd > 0
-        raw = (x for s, lo, hi in segs for x in _read_shard(urls[s], counts, lo, _stop(hi, lengths[s]), num_classes=K))
+        raw = (x for s, lo, hi in segs
+               for x in _read_shard(urls[s], counts, lo, _stop(hi, lengths[s]), num_classes=K, multi_label=ml))
         for x in shuffle_buffer(raw, p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 3, rnd])):
             got += 1
             yield x
@@ -175,6 +230,7 @@ def _train_stream(p, epoch: int, stream: int, n: int, count: int, done: int):
     """Batches ``done .. count-1`` of (rank, stream): (images, labels, keys, skip-count delta)."""
     counts, seen_bad = _Counts(), set()
     mb, seed, rank = p["micro_batch"], p["seed"], p["rank"]
+    classes = p["num_classes"] if p["multi_label"] else None
     tf = TrainTransform(p["img_size"], p["crop_scale"], p["hflip"], p["randaugment"])
     raw = enumerate(_raw_stream(p, epoch, stream, n, count, counts))
     counts.active = False  # already counted before the checkpoint
@@ -194,7 +250,8 @@ def _train_stream(p, epoch: int, stream: int, n: int, count: int, done: int):
             batch = list(itertools.islice(raw, mb))
             pos = [i for i, _ in batch]
             out = augment_batch([x for _, x in batch], tf, [sample_seed(seed, epoch, rank, stream, i) for i in pos],
-                                lambda j, pos=pos: sample_seed(seed, epoch, rank, stream, pos[j], 1), undecodable)
+                                lambda j, pos=pos: sample_seed(seed, epoch, rank, stream, pos[j], 1), undecodable,
+                                classes)
         yield (*out, counts.take())
 
 
@@ -223,17 +280,12 @@ class TrainLoader:
         self.img_size, self.micro_batch, self.global_batch = int(img_size), int(micro_batch), int(global_batch)
         self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
         self.return_keys, self.pin_memory = return_keys, pin_memory
-        streams = world_size * max(1, self.num_workers)
-        if not cfg_data.resampled and len(self.split.urls) < streams:
-            raise DataError(
-                f"data.path: split {self.split.name!r} has {len(self.split.urls)} shards, fewer than world size "
-                f"{world_size} x data.workers {max(1, self.num_workers)}; lower data.workers, set data.resampled=true, "
-                "or re-shard smaller")
         self.accum_steps = global_batch // (world_size * micro_batch)
         self.steps_per_epoch = max(1, self.split.num_samples // global_batch)
         self.micro_batches_per_epoch = self.steps_per_epoch * self.accum_steps
         TrainTransform(self.img_size, cfg_data.crop_scale, cfg_data.hflip, cfg_data.randaugment)  # fail early
-        self.mixer = Mixer(self.info.num_classes, cfg_data.mixup, cfg_data.cutmix, cfg_data.label_smoothing)
+        self.mixer = Mixer(self.info.num_classes, cfg_data.mixup, cfg_data.cutmix, cfg_data.label_smoothing,
+                           multi_label=self.info.multi_label)
         self.epoch, self.step = 0, 0
         self.skipped: dict[str, int] = {}
         self._last = (0, 0)
@@ -245,6 +297,7 @@ class TrainLoader:
     def _params(self) -> dict:
         c = self.cfg
         return {"seed": self.seed, "rank": self.rank, "split": self.split, "num_classes": self.info.num_classes,
+                "multi_label": self.info.multi_label,
                 "micro_batch": self.micro_batch, "micro_batches": self.micro_batches_per_epoch,
                 "resampled": c.resampled, "shuffle_buffer": c.shuffle_buffer, "img_size": self.img_size,
                 "crop_scale": tuple(c.crop_scale), "hflip": c.hflip, "randaugment": c.randaugment}
@@ -278,7 +331,7 @@ class TrainLoader:
             yield (images, labels, keys) if self.return_keys else (images, labels)
 
     def mix(self, images: torch.Tensor, labels: torch.Tensor):
-        """Normalised images [B, 3, S, S] float, labels [B] int64 (on any device) → (images, soft
+        """Normalised images [B, 3, S, S] float, labels [B] int64 or multi-hot [B, K] (on any device) → (images, soft
         targets [B, K] float32): mixup/cutmix (timm) with label smoothing, seeded by the position of
         the batch last yielded; only one-hot/smoothing when mixup and cutmix are off."""
         epoch, step = self._last
@@ -314,40 +367,43 @@ class _EvalRank(IterableDataset):
 
     def __init__(self, loader: EvalLoader):
         self.sp, self.K, self.B = loader.split, loader.info.num_classes, loader.batch
-        self.lo, self.hi, self.nb = loader._lo, loader._hi, loader.num_batches
+        self.ml = loader.info.multi_label
+        self.pos, self.nb = loader.rank_positions, loader.num_batches
         self.tf = EvalTransform(loader.img_size, loader.crop_pct)
 
     def __iter__(self):
         d, n = _worker()
         b0, b1 = d * self.nb // n, (d + 1) * self.nb // n
         counts, B = _Counts(), self.B
-        first, last = min(self.lo + b0 * B, self.hi), min(self.lo + b1 * B, self.hi)
-        segs = _segments(list(self.sp.lengths), range(len(self.sp.urls)), first, last - first) if last > first else []
-        raw = (x for s, lo, hi in segs
-               for x in _read_shard(self.sp.urls[s], counts, lo, _stop(hi, self.sp.lengths[s]), num_classes=self.K))
+        raw = _read_positions(self.sp, self.pos[b0 * B:b1 * B], counts, num_classes=self.K, multi_label=self.ml)
+
         def undecodable(key, err):
             counts.add("undecodable_image")
             warnings.warn(f"sample {key}: {err}; not evaluated", stacklevel=2)
 
         for b in range(b0, b1):
-            real = max(0, min(B, self.hi - (self.lo + b * B)))  # fewer come if a shard is cut off
-            yield _wire((*eval_batch(list(itertools.islice(raw, real)), self.tf, B, undecodable), counts.take()))
+            real = len(self.pos[b * B:(b + 1) * B])  # fewer come if a shard is cut off
+            items = list(itertools.islice(raw, real))
+            yield _wire((*eval_batch(items, self.tf, B, undecodable, self.K if self.ml else None), counts.take()))
 
 
 class EvalLoader:
     """Every sample of a split exactly once across ranks: rank r gets the contiguous slice
     ``[r·N/W, (r+1)·N/W)`` in shard order, as ``num_batches`` batches of
-    ``(images uint8 [B, 3, S, S], labels int64 [B], valid bool [B])`` (+ keys with ``return_keys``).
+    ``(images uint8 [B, 3, S, S], labels int64 [B], valid bool [B])`` (+ keys with ``return_keys``);
+    labels are multi-hot bool ``[B, K]`` for a multi-label dataset.
 
     ``num_batches`` is the same on every rank (rows past a rank's slice, and undecodable images,
-    have ``valid=False``, label -1, zero pixels), so a caller can run the model and any per-batch
-    collective on every rank in lock-step, sum ``correct[valid]`` / ``valid.sum()`` locally and
-    all-reduce those sums once at the end. ``num_samples_rank`` is this rank's slice length.
+    have ``valid=False``, label -1 (no class), zero pixels), so a caller can run the model and any
+    per-batch collective on every rank in lock-step, sum ``correct[valid]`` / ``valid.sum()`` locally
+    and all-reduce those sums once at the end. ``num_samples_rank`` is this rank's slice length.
+    ``positions``: only these sorted positions of the split (e.g. a few-shot subset), cut the same way
+    (``rank_positions``: this rank's).
     """
 
     def __init__(self, cfg_data, *, img_size: int, batch: int, rank: int | None = None,
                  world_size: int | None = None, split: str | None = None, num_workers: int | None = None,
-                 return_keys: bool = False, crop_pct: float | None = None):
+                 return_keys: bool = False, crop_pct: float | None = None, positions=None):
         rank, world_size = _rank_world(rank, world_size)
         name = split or cfg_data.val_split
         if not name:
@@ -359,9 +415,10 @@ class EvalLoader:
         self.crop_pct = cfg_data.eval_crop_pct if crop_pct is None else float(crop_pct)
         self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
         self.return_keys = return_keys
-        n = self.num_samples = self.split.num_samples
-        self._lo, self._hi = rank * n // world_size, (rank + 1) * n // world_size
-        self.num_samples_rank = self._hi - self._lo
+        positions = range(self.split.num_samples) if positions is None else positions
+        n = self.num_samples = len(positions)
+        self.rank_positions = positions[rank * n // world_size:(rank + 1) * n // world_size]
+        self.num_samples_rank = len(self.rank_positions)
         self.num_batches = math.ceil(math.ceil(n / world_size) / self.batch)
         self.skipped: dict[str, int] = {}
 

@@ -2,8 +2,11 @@
 
 ``_read_shard`` yields (key, image bytes, label) for a position range of one shard; a truncated
 tar, a sample without a valid ``.cls`` or without an image is counted by reason and skipped, so
-positions agree with prep's ``shard_lengths``. Remote shards (``pipe:``, http, s3) are opened with
-webdataset's ``gopen``; local ones as plain files, seekable, so skipping costs header reads only.
+positions agree with prep's ``shard_lengths``. In a multi-label dataset (``_info.json``:
+``"multi_label": true``) the label is the tuple of class indices in the sample json's ``labels``
+(``.cls`` is only the primary one); ``_read_positions`` reads any sorted positions of a split.
+Remote shards (``pipe:``, http, s3) are opened with webdataset's ``gopen``; local ones as plain
+files, seekable, so skipping costs header reads only.
 
 Tar members are parsed here (ustar, pax and GNU long names; regular files only) rather than by
 ``tarfile``, whose per-member bookkeeping was ~20% of a loader worker's time next to a ~1 ms decode.
@@ -22,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-SKIP_REASONS = ("corrupt_tar", "missing_cls", "bad_cls", "missing_image", "undecodable_image")
+SKIP_REASONS = ("corrupt_tar", "missing_cls", "bad_cls", "bad_labels", "missing_image", "undecodable_image")
 
 
 class DataError(ValueError):
@@ -45,6 +48,7 @@ class Info:
     classes: tuple[str, ...]
     splits: dict[str, SplitInfo] = field(default_factory=dict)
     digest: str = ""  # names this exact content: prep's plan id, else a hash of the description
+    multi_label: bool = False  # labels are sets of classes (json "labels"); .cls is the primary one
 
     def split(self, name: str) -> SplitInfo:
         """The named split; an error naming the dataset if it is missing or empty."""
@@ -97,7 +101,7 @@ def read_info(path: str | os.PathLike) -> Info:
     if num_classes <= 0:
         raise DataError(f"{f}: num_classes is {num_classes}; need >= 1")
     digest = str(raw.get("plan_id") or hashlib.sha256(text.encode("utf-8")).hexdigest()[:16])
-    return Info(root, num_classes, classes, splits, digest)
+    return Info(root, num_classes, classes, splits, digest, multi_label=bool(raw.get("multi_label", False)))
 
 
 def _count_samples(url: str) -> int:
@@ -224,11 +228,25 @@ def _split_name(name: str) -> tuple[str, str]:
     return (f"{d}/{stem}" if d else stem), ext.lower()
 
 
+def _multi_labels(meta: bytes | None, num_classes: int | None) -> tuple[int, ...] | None:
+    """A sample json's ``labels`` as a tuple of class indices; None if missing or invalid."""
+    try:
+        labels = json.loads(meta)["labels"] if meta is not None else None
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(labels, list) or not labels:
+        return None
+    if not all(type(c) is int and c >= 0 and (num_classes is None or c < num_classes) for c in labels):
+        return None
+    return tuple(labels)
+
+
 def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_classes: int | None,
-                read: bool = True) -> Iterator[tuple[str, bytes | None, int]]:
+                read: bool = True, multi_label: bool = False) -> Iterator[tuple[str, bytes | None, int | tuple]]:
     """Valid samples ``start <= i < stop`` of one shard as (key, image bytes, label).
 
-    A valid sample has an image member and a ``.cls`` holding an int in [0, num_classes); invalid
+    A valid sample has an image member and a ``.cls`` holding an int in [0, num_classes) (and with
+    ``multi_label`` a json whose ``labels`` are such ints, the label then being their tuple); invalid
     ones are counted and do not take an index (so indices agree with prep's shard_lengths).
     Image bytes are read only for samples in range; a local tar is opened seekable, so samples
     before ``start`` cost a header read each. A truncated or unreadable tar ends the shard, counted.
@@ -252,7 +270,7 @@ def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_
         bad("corrupt_tar")
         warnings.warn(f"{url}: unreadable shard, skipped ({e})", stacklevel=2)
         return
-    key, cls, img = None, None, None
+    key, cls, img, meta = None, None, None, None
 
     def finish():
         nonlocal index
@@ -269,6 +287,11 @@ def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_
         if label < 0 or (num_classes is not None and label >= num_classes):
             bad("bad_cls")
             return None
+        if multi_label:
+            label = _multi_labels(meta, num_classes)
+            if label is None:
+                bad("bad_labels")
+                return None
         if img is None:
             bad("missing_image")
             return None
@@ -285,11 +308,13 @@ def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_
                     out = finish()
                     if out is not None:
                         yield out
-                    key, cls, img = k, None, None
+                    key, cls, img, meta = k, None, None, None
                     if stop is not None and index >= stop:
                         return
                 if ext == "cls":
                     cls = data()
+                elif ext == "json" and multi_label:  # a few hundred bytes: reading costs what skipping does
+                    meta = data()
                 elif ext in IMAGE_EXTS:
                     # index is the one this sample gets if valid; bytes only when it is in range
                     img = data() if read and index >= start else True
@@ -321,3 +346,26 @@ def _stop(hi: int, length: int) -> int | None:
     """A range that ends with its shard reads on to the end: trailing bad samples get counted and
     a cut-off tar is noticed even when the cut fell after the last good sample."""
     return None if hi >= length else hi
+
+
+def _read_positions(sp: SplitInfo, positions, counts: _Counts, **kw) -> Iterator[tuple]:
+    """Samples at the sorted ``positions`` of split ``sp`` (its shards in order), as ``_read_shard``
+    yields them (``kw``: its keywords). Each shard's part is one pass from its first wanted position
+    to its last; a contiguous range reads exactly that range."""
+    n = len(positions)
+    if not n:
+        return
+    cum = np.cumsum([0, *sp.lengths])
+    pos = np.asarray(positions, dtype=np.int64)
+    shard = np.searchsorted(cum, pos, side="right") - 1
+    j = 0
+    while j < n:
+        s = int(shard[j])
+        k = j + int(np.searchsorted(shard[j:], s, side="right"))
+        local = pos[j:k] - cum[s]
+        lo, hi = int(local[0]), int(local[-1]) + 1
+        want = None if hi - lo == k - j else set(local.tolist())
+        for i, x in enumerate(_read_shard(sp.urls[s], counts, lo, _stop(hi, sp.lengths[s]), **kw), lo):
+            if want is None or i in want:
+                yield x
+        j = k

@@ -1,6 +1,7 @@
 """The one evaluation loop: top-1/top-5, loss, per-class accuracy and the confusion matrix on a split
-(used during training, after fine-tuning and by `vitp eval`); few-shot linear evaluation and a
-linear probe on frozen features (pipeline/eval/fewshot.py).
+(used during training, after fine-tuning and by `vitp eval`); on multi-label data precision@1 and
+mean average precision instead; few-shot linear evaluation and a linear probe on frozen features
+(pipeline/eval/fewshot.py).
 
 Every rank reads its own part of the split (the loader hands each sample to exactly one rank), so
 the counts are summed across ranks (one all-reduce of the confusion matrix: top-1, per-class and
@@ -73,17 +74,20 @@ class ClassifyResult:
 
 def _to_device(batch: Batch, device, prepare, dtype, num_classes: int | None = None):
     """-> (model input, labels, valid mask) on ``device``; padding rows stay in the batch (label
-    clamped to 0, valid False), so every batch keeps its shape and nothing waits on the device."""
+    clamped to 0, valid False), so every batch keeps its shape and nothing waits on the device.
+    Multi-hot labels [B, K] stay as they are."""
     x, y = batch[0], batch[1]
     valid = batch[2] if len(batch) > 2 and batch[2] is not None else torch.ones(len(y), dtype=torch.bool)
-    if num_classes is not None:  # on the host, before the copy: no device sync
+    if num_classes is not None and y.ndim == 2 and y.shape[1] != num_classes:
+        raise ValueError(f"multi-hot labels have {y.shape[1]} classes, expected {num_classes}")
+    if num_classes is not None and y.ndim == 1:  # on the host, before the copy: no device sync
         real = y[valid]
         if real.numel() and int(real.max()) >= num_classes:
             raise ValueError(f"label {int(real.max())} out of range for {num_classes} classes")
     x = x.to(device, non_blocking=True)
     x = prepare(x) if prepare is not None else x
-    return (x.to(dtype), y.clamp(min=0).to(device, non_blocking=True).long(),
-            valid.to(device, non_blocking=True))
+    y = y if y.ndim == 2 else y.clamp(min=0).long()
+    return x.to(dtype), y.to(device, non_blocking=True), valid.to(device, non_blocking=True)
 
 
 def _same_count(batches, device) -> int:
@@ -112,22 +116,9 @@ def classify(model: torch.nn.Module, batches: Iterable[Batch], num_classes: int,
     counts = torch.zeros(num_classes * num_classes + 1, dtype=torch.int64, device=device)  # confusion, top5
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
     k5 = min(5, num_classes)
-    total = _same_count(batches, device)
-    it = iter(batches)
     t0 = time.perf_counter()
-    for _ in range(total):
-        batch = next(it, None)
-        if batch is None:  # this rank is done; keep the collective forward calls in step
-            if dummy_shape is None:
-                raise RuntimeError("ranks have unequal eval batch counts; pass dummy_shape")
-            batch = (torch.zeros(dummy_shape, dtype=torch.uint8), torch.zeros(dummy_shape[0], dtype=torch.long),
-                     torch.zeros(dummy_shape[0], dtype=torch.bool))
-        x, y, valid = _to_device(batch, device, prepare, dtype, num_classes)
-        with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            logits = model(x)
-        if logits.shape[-1] != num_classes:
-            raise ValueError(f"model gives {logits.shape[-1]} logits but the dataset has {num_classes} classes")
-        logits, w = logits.float(), valid.long()
+    for logits, y, valid in _lockstep(model, batches, num_classes, device, prepare, dtype, autocast, dummy_shape):
+        w = valid.long()
         # flat index t*K + p; padding rows add 0
         counts[:-1].scatter_add_(0, y * num_classes + logits.argmax(-1), w)
         counts[-1:] += ((logits.topk(k5, -1).indices == y[:, None]).any(-1).long() * w).sum()
@@ -140,6 +131,120 @@ def classify(model: torch.nn.Module, batches: Iterable[Batch], num_classes: int,
     counts, sums = counts.cpu(), sums.cpu()
     return ClassifyResult(counts[:-1].view(num_classes, num_classes), int(counts[-1]), float(sums[0]),
                           images_per_s=float(sums[1]) / max(float(elapsed.cpu()[0]), 1e-9))
+
+
+@dataclass
+class MultiLabelResult:
+    """Multi-label scores over the whole split (all ranks)."""
+
+    hits: int  # images whose top prediction is one of their labels
+    n: int
+    loss_sum: float
+    ap: list[float | None] | None = None  # per class average precision (None: no positive in the split)
+    images_per_s: float = 0.0
+
+    @property
+    def prec1(self) -> float:
+        """big_vision's prec@1: the share of images whose highest-scoring class is one of their labels."""
+        return self.hits / max(self.n, 1)
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.n, 1)
+
+    @property
+    def mean_ap(self) -> float | None:
+        """Mean over classes with a positive of their average precision (None when not computed)."""
+        got = [a for a in self.ap or [] if a is not None]
+        return sum(got) / len(got) if got else None
+
+    def metrics(self, prefix: str = "val") -> dict[str, float]:
+        out = {f"{prefix}/prec1": self.prec1, f"{prefix}/loss": self.loss, f"{prefix}/n": float(self.n)}
+        if self.mean_ap is not None:
+            out[f"{prefix}/mAP"] = self.mean_ap
+        return out
+
+
+def average_precision(scores: torch.Tensor, targets: torch.Tensor) -> list[float | None]:
+    """Average precision of each class: scores [N, K], targets [N, K] bool -> K values (None for a
+    class without positives). AP = sum over score thresholds of precision x recall gained there;
+    tied scores share one threshold, as in sklearn's ``average_precision_score``."""
+    n = scores.shape[0]
+    if n == 0:
+        return [None] * scores.shape[1]
+    s, order = scores.double().sort(dim=0, descending=True, stable=True)
+    t = targets.gather(0, order).double()
+    tp = t.cumsum(0)
+    rows = torch.arange(n, dtype=torch.int64).view(-1, 1).expand_as(s)
+    end = torch.ones_like(s, dtype=torch.bool)
+    end[:-1] = s[1:] != s[:-1]  # the last row of each group of tied scores
+    last = torch.where(end, rows, torch.full_like(rows, n)).flip(0).cummin(0).values.flip(0)
+    precision = tp.gather(0, last) / (last + 1).double()  # at the end of each row's tie group
+    pos = t.sum(0)
+    ap = (precision * t).sum(0) / pos.clamp_min(1)
+    return [float(a) if p > 0 else None for a, p in zip(ap.tolist(), pos.tolist())]
+
+
+@torch.no_grad()
+def classify_multilabel(model: torch.nn.Module, batches: Iterable[Batch], num_classes: int, *,
+                        device: torch.device | str = "cpu", prepare: Callable | None = None,
+                        dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
+                        loss: Callable | None = None, dummy_shape: tuple[int, ...] | None = None,
+                        mean_ap: bool = False) -> MultiLabelResult:
+    """``classify`` for multi-hot labels [B, K]: precision@1 and loss, summed over all ranks, and
+    with ``mean_ap`` every class's average precision. ``loss(logits, y)`` -> [B] (default: the
+    per-class sigmoid cross-entropy). mAP needs every score: each rank keeps its [n, K] scores on
+    the host and all ranks gather them at the end (N x K floats; fine for downstream sets such as
+    VOC or COCO, not meant for an 18k-class JFT split)."""
+    was_training = model.training
+    model.eval()
+    loss = loss or (lambda lg, t: F.binary_cross_entropy_with_logits(lg, t.float(), reduction="none").sum(-1))
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # prec@1 hits, loss sum, images
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    t0 = time.perf_counter()
+    for logits, y, valid in _lockstep(model, batches, num_classes, device, prepare, dtype, autocast, dummy_shape,
+                                      multi_label=True):
+        w = valid.double()
+        hit = y.gather(1, logits.argmax(-1, keepdim=True)).squeeze(1).double()
+        sums += torch.stack([(hit * w).sum(), (loss(logits, y).double() * w).sum(), w.sum()])
+        if mean_ap:
+            keep = valid.cpu()
+            kept.append((logits.cpu()[keep], y.cpu()[keep]))
+    sums = all_reduce(sums)
+    elapsed = torch.tensor([max(time.perf_counter() - t0, 1e-9)], dtype=torch.float64, device=device)
+    elapsed = all_reduce(elapsed, "max")
+    model.train(was_training)
+    ap = None
+    if mean_ap:
+        scores = torch.cat([k[0] for k in kept]) if kept else torch.zeros(0, num_classes)
+        targets = torch.cat([k[1] for k in kept]) if kept else torch.zeros(0, num_classes, dtype=torch.bool)
+        if _is_dist():
+            parts = all_gather_object((scores, targets))  # plain tensors between our own ranks
+            scores, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        ap = average_precision(scores, targets.bool())
+    hits, loss_sum, n = sums.cpu().tolist()
+    return MultiLabelResult(int(hits), int(n), loss_sum, ap, images_per_s=n / max(float(elapsed.cpu()[0]), 1e-9))
+
+
+def _lockstep(model, batches, num_classes: int, device, prepare, dtype, autocast, dummy_shape, multi_label=False):
+    """(logits [B, K] float32, labels, valid [B]) of every batch, on ``device``; as many forward calls
+    on every rank (past its own batches, on a dummy batch of ``dummy_shape`` with no valid row)."""
+    total = _same_count(batches, device)
+    it = iter(batches)
+    for _ in range(total):
+        batch = next(it, None)
+        if batch is None:  # this rank is done; keep the collective forward calls in step
+            if dummy_shape is None:
+                raise RuntimeError("ranks have unequal eval batch counts; pass dummy_shape")
+            n = dummy_shape[0]
+            y = torch.zeros(n, num_classes, dtype=torch.bool) if multi_label else torch.zeros(n, dtype=torch.long)
+            batch = (torch.zeros(dummy_shape, dtype=torch.uint8), y, torch.zeros(n, dtype=torch.bool))
+        x, y, valid = _to_device(batch, device, prepare, dtype, num_classes)
+        with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            logits = model(x)
+        if logits.shape[-1] != num_classes:
+            raise ValueError(f"model gives {logits.shape[-1]} logits but the dataset has {num_classes} classes")
+        yield logits.float(), y, valid
 
 
 @torch.no_grad()
@@ -263,7 +368,8 @@ def evaluate_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batc
     """Run the requested evaluations of `model` on the dataset at data_cfg.path; returns flat metrics.
 
     classify_split: top-1/top-5/loss/per-class on `split` (needs a head whose class count matches the
-    dataset). fewshot_cfg (an EvalCfg): few-shot ridge on features of `train_split` -> `split`.
+    dataset); on a multi-label dataset precision@1, loss and mean average precision (per-class AP in
+    the artifacts). fewshot_cfg (an EvalCfg): few-shot ridge on features of `train_split` -> `split`.
     linear_probe: logistic regression on the same features. Artifacts (per-class, confusion PNG) are
     written by rank 0 into `out_dir`. Collective when distributed: every rank must call it.
     """
@@ -274,10 +380,24 @@ def evaluate_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batc
     load = lambda s: eval_batches(data_cfg, s, img_size=img, batch=batch, rank=rank, world_size=world)  # noqa: E731
     out: dict = {}
     artifacts: list[Path] = []
+    multi = read_info(data_cfg.path).multi_label
+    if multi and (fewshot_cfg is not None or linear_probe):
+        raise ValueError(f"{data_cfg.path}: few-shot and the linear probe need single-label data; this "
+                         "dataset is multi-label")
     if classify_split:
         if getattr(model, "num_classes", 0) != k:
             raise ValueError(f"{data_cfg.path}: the dataset has {k} classes but the model's head has "
                              f"{getattr(model, 'num_classes', 0)}; use few-shot or the linear probe instead")
+    if classify_split and multi:
+        ml = classify_multilabel(model, load(split), k, device=device, prepare=prepare, autocast=autocast,
+                                 dummy_shape=(1, 3, img, img), mean_ap=True)
+        out.update(ml.metrics(split))
+        out[f"{split}/images_per_s"] = ml.images_per_s
+        if rank == 0 and out_dir is not None:
+            artifacts.append(write_json(Path(out_dir) / f"per_class_ap_{split}.json",
+                                        [{"class": c, "name": names[c] if c < len(names) else str(c), "ap": a}
+                                         for c, a in enumerate(ml.ap or [])]))
+    elif classify_split:
         res = classify(model, load(split), k, device=device, prepare=prepare, autocast=autocast,
                        dummy_shape=(1, 3, img, img))
         out.update(res.metrics(split))

@@ -68,15 +68,47 @@ def read_manifest(ckpt: str | os.PathLike) -> dict:
 # Test-only fault injection, read in this one place
 # --------------------------------------------------------------------------------------------------
 def maybe_fault(event: str, step: int) -> None:
-    """SIGKILL this rank when a test asks for it: VITP_TEST_KILL_AT_STEP=k (before step k runs) or
-    VITP_TEST_KILL_DURING_SAVE=k (after writing checkpoint k's files, before publishing it), on rank
-    VITP_TEST_KILL_RANK (default 1). Costs one dict lookup when unset."""
-    var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE"}[event]
+    """Test hooks, each costing a dict lookup when unset:
+
+    - SIGKILL this rank: VITP_TEST_KILL_AT_STEP=k (before step k runs) or VITP_TEST_KILL_DURING_SAVE=k
+      (after writing checkpoint k's files, before publishing it) or VITP_TEST_KILL_DURING_FEWSHOT=k
+      (inside step k's few-shot evaluator), on rank VITP_TEST_KILL_RANK (default 1).
+    - Hold every rank before step k: VITP_TEST_PAUSE_AT_STEP=k[,k2...] (0: before the stage starts, see
+      launch/preempt.py) with VITP_TEST_PAUSE_FILE=P. Each rank writes ``P.k.reached.<rank>``, then waits
+      until ``P.k`` exists; a stop request it receives meanwhile (a signal the test sent) is written to
+      ``P.k.stop.<rank>``. So a test makes a signal land at the step it chooses: wait for every
+      ``reached``, signal, wait for the ``stop`` files, create ``P.k``.
+    """
+    if event == "step" and "VITP_TEST_PAUSE_AT_STEP" in os.environ:
+        _pause(step)
+    var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE",
+           "fewshot": "VITP_TEST_KILL_DURING_FEWSHOT"}[event]
     at = os.environ.get(var)
     if at is None or int(at) != step:
         return
     if rank_world()[0] == int(os.environ.get("VITP_TEST_KILL_RANK", 1)):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause(step: int) -> None:
+    if step not in {int(k) for k in os.environ["VITP_TEST_PAUSE_AT_STEP"].split(",") if k.strip()}:
+        return
+    from pipeline.train import stopping
+
+    base, rank = f"{os.environ['VITP_TEST_PAUSE_FILE']}.{step}", os.environ.get("RANK", "0")
+    release = Path(base)
+    Path(f"{base}.reached.{rank}").touch()
+    deadline = time.monotonic() + float(os.environ.get("VITP_TEST_PAUSE_TIMEOUT_S", "600"))
+    noted = False
+    while not release.exists():  # waiting for the test, which holds the release file
+        if not noted and stopping.stop_reason() is not None:
+            atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
+            noted = True
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"VITP_TEST_PAUSE_FILE: {release} not created within the timeout")
+        time.sleep(0.02)
+    if not noted and stopping.stop_reason() is not None:
+        atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,11 +2,12 @@
 
     set up: process group, run dir (resume or start), model -> DeepSpeed engine, loader, tracker
     each step:
-        forward_backward   over the micro batches; loss and top-1 accumulate on the device
+        forward_backward   over the micro batches; loss and top-1 (precision@1 on multi-label data)
+                           accumulate on the device
         agree              one small all-reduce: any rank asked to stop / saw a non-finite loss
         optimizer_step     clip + update (DeepSpeed), EMA
-        maybe_log / maybe_eval / maybe_save
-    finish: final checkpoint, final eval, consolidated weights, artifacts, the caller's ``finish``
+        maybe_log / maybe_eval / maybe_save / few-shot evaluators (pipeline/train/evaluators.py)
+    finish: final checkpoint, few-shot, final eval, consolidated weights, artifacts, the caller's ``finish``
 
 What differs between stages comes in as arguments (the model, its parameter groups, what happens to
 the final model); the loop never asks which stage it runs.
@@ -30,15 +31,17 @@ import torch
 
 from pipeline import data as data_lib
 from pipeline.config import Config, flatten, to_yaml, write_resolved
+from pipeline.data.loader import check_splits
 from pipeline.distributed import all_reduce, rank0_print, rank_world, wait_for_rank0
-from pipeline.eval.classify import classify
+from pipeline.eval.classify import classify, classify_multilabel
 from pipeline.eval.figures import loss_curve_png
 from pipeline.files import atomic_write, read_jsonl
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
 from pipeline.train import stopping
 from pipeline.train.ema import Ema
-from pipeline.train.loss import loss_fn
+from pipeline.train.evaluators import FewshotEvaluators
+from pipeline.train.loss import loss_fn, top1_hits
 from pipeline.train.schedule import lr_for
 from pipeline.train.tracking import start_tracking
 
@@ -211,14 +214,24 @@ def memory_gb() -> dict:
 
 
 def evaluate(engine, cfg: Config, source, num_classes: int, device, dtype) -> dict:
-    """Top-1 and loss on the val split through the one eval loop, each sample once over the ranks."""
+    """Top-1 (precision@1 on multi-label data: ``val_prec1``) and loss on the val split through the
+    one eval loop, each sample once over the ranks."""
     rank, world = rank_world()
     loader = source.EvalLoader(cfg.data, img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=rank,
                                world_size=world, split=cfg.data.val_split)
-    res = classify(engine, loader, num_classes, device=device, prepare=source.normalize, dtype=dtype,
-                   loss=lambda lg, y: loss_fn(cfg.train.loss, lg, y, reduction="none"),
-                   dummy_shape=(1, 3, cfg.model.img_size, cfg.model.img_size))
-    return {"val_top1": res.top1, "val_loss": res.loss, "val_n": res.n}
+    multi = source.read_info(cfg.data.path).multi_label
+    res = (classify_multilabel if multi else classify)(
+        engine, loader, num_classes, device=device, prepare=source.normalize, dtype=dtype,
+        loss=lambda lg, y: loss_fn(cfg.train.loss, lg, y, reduction="none"),
+        dummy_shape=(1, 3, cfg.model.img_size, cfg.model.img_size))
+    head = {"val_prec1": res.prec1} if multi else {"val_top1": res.top1}
+    return {**head, "val_loss": res.loss, "val_n": res.n}
+
+
+def _headline(record: dict, prefix: str = "") -> str:
+    """'top1 0.812' or, on multi-label data, 'prec@1 0.640' from a record's metrics."""
+    key = next(k for k in (f"{prefix}top1", f"{prefix}prec1") if k in record)
+    return f"{key.replace('prec1', 'prec@1').replace('_', ' ')} {record[key]:.4f}"
 
 
 def _draw_figures(sd: dict, model_config: dict, images: torch.Tensor | None, out: Path) -> list[Path]:
@@ -253,8 +266,9 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     run_dir = Path(cfg.run.dir)
     resume_from = prepare_run_dir(cfg, rank)
     source = data_lib.source_for(cfg.data.path)
-    for split in filter(None, {cfg.data.train_split, cfg.data.val_split}):
-        source.read_info(cfg.data.path).split(split)  # a missing split fails now, not after training
+    # a missing split fails now, in one line, not after the last step
+    check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split})
+    hit_key = "prec1" if source.read_info(cfg.data.path).multi_label else "top1"  # big_vision's prec@1
 
     # model: identical initialisation on every rank, then per-rank randomness (dropout)
     torch.manual_seed(cfg.seed)
@@ -290,6 +304,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     tracker = start_tracking(cfg, run_dir, rank=rank, world_size=world, stage=stage, run_id=run_id,
                              run_key=run_key, params=flatten(cfg),  # params: logged only if a new run is made
                              datasets=data_lib.dataset_inputs(cfg.data.path, datasets) if rank == 0 else None)
+    fewshot = FewshotEvaluators(cfg, engine, device, dtype, history)
     close_timeout = cfg.tracking.close_timeout_s
     n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
     rank0_print(f"{stage}: {world} rank(s) on {device.type}, ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
@@ -310,6 +325,14 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             tracker.log_metrics({k: v for k, v in record.items() if k != "step"}, record["step"])
+
+    def run_fewshot(final: bool = False) -> bool:
+        """The few-shot evaluators if ``step`` is one of theirs, after its checkpoint (a kill inside
+        them resumes there); each step is logged once. True if they ran."""
+        few = fewshot.maybe_run(step, final)
+        if few is not None:
+            log({"step": step, **few})
+        return few is not None
 
     def check(lag: bool) -> float:
         """The agreed stop code; raises NonFiniteLoss (on every rank alike) before anything is saved."""
@@ -335,7 +358,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
             if m < accum - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro step
             n = len(labels)
-            sums += torch.stack([loss.detach().double() * n, (logits.argmax(-1) == labels).sum().double(),
+            sums += torch.stack([loss.detach().double() * n, top1_hits(logits, labels).double(),
                                  torch.full((), float(n), dtype=torch.float64, device=device)])
         return sums, images
 
@@ -344,6 +367,8 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     batches = loader.forever()
     images = None  # the last batch: its first images feed the attention figures at the end
     engine.train()
+    if step < cfg.train.steps:
+        run_fewshot()  # a resumed run whose evaluators a stop or a kill cut short
     while step < cfg.train.steps:
         ckpt_lib.maybe_fault("step", step + 1)
         lr = lr_for(cfg, step)
@@ -368,16 +393,16 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
             steps_in_window = window.steps
             loss, top1, _ = window.reduce()
             dt = (time.perf_counter() - t_window) / max(steps_in_window, 1)
-            record.update(loss=loss, top1=top1, lr=lr, grad_norm=eng_lib.grad_norm(engine),
+            record.update({"loss": loss, hit_key: top1}, lr=lr, grad_norm=eng_lib.grad_norm(engine),
                           images_per_s=cfg.train.global_batch / dt, step_s=dt,
                           mfu=flops / dt / (cfg.hardware.peak_tflops * 1e12),
                           skipped=int(sum(loader.skipped.values())), **memory_gb())
-            rank0_print(f"step {step:>7d}/{cfg.train.steps}  loss {loss:.4f}  top1 {top1:.3f}  lr {lr:.2e}  "
+            rank0_print(f"step {step:>7d}/{cfg.train.steps}  loss {loss:.4f}  {_headline(record)}  lr {lr:.2e}  "
                         f"gnorm {record['grad_norm']:.3f}  {record['images_per_s']:.1f} img/s  "
                         f"mfu {record['mfu']:.1%}  rss {record['rss_gb']:.1f}G")
         if do_eval:
             record.update(evaluate(engine, cfg, source, num_classes, device, dtype))
-            rank0_print(f"step {step:>7d}  val top1 {record['val_top1']:.4f}  ({record['val_n']} images)")
+            rank0_print(f"step {step:>7d}  {_headline(record, 'val_')}  ({record['val_n']} images)")
         if record:
             log({"step": step, **record})
             last.update(record)
@@ -392,14 +417,16 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
         if do_save and step < cfg.train.steps:
             save(step)
             saved_at = step
-        if record or saved_at == step:  # eval, logging and saving are not training time
+        evaluated = run_fewshot() if step < cfg.train.steps else False
+        if record or evaluated or saved_at == step:  # eval, logging and saving are not training time
             t_window = time.perf_counter()
 
     # the end: final checkpoint, final eval, consolidated fp32 weights, artifacts
     final = save(step) if saved_at != step else ckpt_lib.root(run_dir) / ckpt_lib.tag_for(step)
-    if cfg.data.val_split and "val_top1" not in last:
+    run_fewshot(final=True)
+    if cfg.data.val_split and "val_n" not in last:
         last.update(evaluate(engine, cfg, source, num_classes, device, dtype))
-        rank0_print(f"final val top1 {last['val_top1']:.4f} ({last['val_n']} images)")
+        rank0_print(f"final {_headline(last, 'val_')} ({last['val_n']} images)")
         log({"step": step, **{k: v for k, v in last.items() if k.startswith("val_")}})
     weights = run_dir / "model.safetensors"
     result = Result("completed", step, str(run_dir), loss=last.get("loss"), val_top1=last.get("val_top1"),

@@ -60,5 +60,8 @@ def test_demo_end_to_end(tmp_path):
     steps = [m.step for m in losses]
     assert len(steps) == len(set(steps)) and max(steps) == 1000
     assert losses[-1].value < losses[0].value
+    curve = client.get_metric_history(pre.info.run_id, "fewshot/digits/10shot")  # logged during pre-training
+    assert [m.step for m in curve] == [250, 500, 750, 1000] and curve[-1].value > 0.5
+    assert list(summary["pretrain_fewshot_10shot"]) == ["250", "500", "750", "1000"]
     versions = client.search_model_versions("name='vitp-demo-digits'")
     assert versions and versions[0].run_id == tra.info.run_id

@@ -5,11 +5,16 @@ Fixture `slurm_cluster` comes from tests/services.py via tests/conftest.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
+import submitit
 
-submitit = pytest.importorskip("submitit")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _poll_done(job, timeout_s: float) -> None:
@@ -58,3 +63,19 @@ def test_two_node_job_gets_one_rank_per_node(slurm_cluster, tmp_path):
     # submitit's view of the node agrees with slurmd's own name for it.
     assert [r["node"] for r in results] == [r["slurmd"] for r in results]
     assert {r["job_id"] for r in results} == {str(job.job_id)}
+
+
+@pytest.mark.slurm
+@pytest.mark.mlflow_server
+def test_run_with_services_leaves_services_it_did_not_start_up(slurm_cluster, mlflow_server):
+    """`make test` inside a session whose services are up (the outer run, `make services-up`) uses them
+    and leaves them running."""
+    r = subprocess.run(["bash", "tests/run_with_services.sh", "-q", "-p", "no:cacheprovider",
+                        "tests/unit/test_install_script.py"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "VITP_PYTHON": sys.executable}, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "MLflow server already up; leaving it up" in r.stdout
+    assert "SLURM cluster already up; leaving it up" in r.stdout
+    for script in ("slurm.sh", "mlflow.sh"):
+        status = subprocess.run(["bash", f"launch/services/{script}", "status"], cwd=ROOT, capture_output=True)
+        assert status.returncode == 0, (script, status.stdout)

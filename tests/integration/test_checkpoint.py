@@ -1,13 +1,20 @@
 """Checkpoint pieces that need no training run: RNG round trip, publishing rules, run-dir guard."""
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from pipeline.train import checkpoint as ck
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rng_state_round_trips_through_weights_only_load(tmp_path):
@@ -61,9 +68,36 @@ def test_metrics_file_drops_records_past_the_resumed_step(tmp_path):
     assert len(p.read_text().splitlines()) == 4
 
 
-def test_fault_hook_is_inert_without_env(monkeypatch):
-    monkeypatch.delenv("VITP_TEST_KILL_AT_STEP", raising=False)
-    ck.maybe_fault("step", 1)  # returns
-    monkeypatch.setenv("VITP_TEST_KILL_AT_STEP", "3")
-    monkeypatch.setenv("RANK", "0")
-    ck.maybe_fault("step", 3)  # rank 0 is not the kill rank (default 1): returns
+FAULTS = """
+import sys
+from pipeline.train.checkpoint import maybe_fault
+for event, step in [("step", 1), ("step", 2), ("save", 3), ("step", 3)]:
+    maybe_fault(event, step)
+    print(event, step, "passed", flush=True)
+"""
+
+
+def _faults(env: dict, script: str = FAULTS) -> subprocess.Popen:
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("VITP_TEST_", "RANK"))}
+    return subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env={**keep, "PYTHONPATH": str(ROOT), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _passed(out: str) -> list[str]:
+    return [ln.rsplit(" ", 1)[0] for ln in out.splitlines() if ln.endswith("passed")]
+
+
+def test_fault_hook_kills_only_the_chosen_rank_at_the_chosen_step():
+    everything = ["step 1", "step 2", "save 3", "step 3"]
+    inert = _faults({})
+    out, err = inert.communicate(timeout=120)
+    assert (inert.returncode, _passed(out)) == (0, everything), err[-2000:]
+    other_rank = _faults({"VITP_TEST_KILL_AT_STEP": "3", "RANK": "0"})  # the kill rank is 1 by default
+    out, err = other_rank.communicate(timeout=120)
+    assert (other_rank.returncode, _passed(out)) == (0, everything), err[-2000:]
+    at_step = _faults({"VITP_TEST_KILL_AT_STEP": "3", "RANK": "1"})  # "save 3" is not a step: passes
+    out, _ = at_step.communicate(timeout=120)
+    assert (at_step.returncode, _passed(out)) == (-signal.SIGKILL, ["step 1", "step 2", "save 3"])
+    in_save = _faults({"VITP_TEST_KILL_DURING_SAVE": "3", "RANK": "2", "VITP_TEST_KILL_RANK": "2"})
+    out, _ = in_save.communicate(timeout=120)
+    assert (in_save.returncode, _passed(out)) == (-signal.SIGKILL, ["step 1", "step 2"])

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import uuid
 
+import mlflow.tracking as mlflow_tracking  # a required package: a broken install fails here, never skips
 import pytest
 
 from tests.services import mlflow_start, mlflow_stop
-
-mlflow_tracking = pytest.importorskip("mlflow.tracking")
 
 PARAMS = {"model": "vit_tiny_patch16", "lr": "0.0003", "global_batch": "64"}
 # (step, loss): 1/3 checks that a value with no short decimal form round-trips bit for bit.

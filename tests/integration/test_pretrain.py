@@ -1,31 +1,66 @@
-"""Pre-training on 2 CPU ranks (DeepSpeed over gloo): ZeRO stages, kill/resume exactness, torn saves,
-world-size change, MLflow outage. Runs share a few uninterrupted reference runs (module fixtures).
+"""Pre-training on 2 CPU ranks (DeepSpeed over gloo): ZeRO stages, kill/resume exactness over real
+shards, torn saves, world-size change, MLflow outage, a non-finite loss, mixup. Runs share a few
+uninterrupted reference runs (module fixtures).
 
 The tiny recipe with a constant lr after warm-up, so a 3-step run equals the first 3 steps of a
-6-step run.
+6-step run. Two data sources: the in-memory synthetic set (fast; its position survives a world-size
+change) and shards written by `vitp prep`, read by 2 loader workers per rank.
 """
 
 import json
+import math
 import shutil
+import subprocess
+import sys
+import threading
+import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from launch.local import run_local
+from tests.data_prep_fixtures import jpeg_bytes, natural_image
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
-COMMON = ["data.path=synthetic:train=512,val=64", "train.log_every=1", "checkpoint.every=2",
-          "tracking.enabled=false", "schedule.warmup_steps=2", "schedule.decay=constant", "train.steps=6"]
+SYNTHETIC = ["data.path=synthetic:train=512,val=64"]
+COMMON = ["train.log_every=1", "checkpoint.every=2", "tracking.enabled=false", "schedule.warmup_steps=2",
+          "schedule.decay=constant", "train.steps=6"]
+CLASSES = ("ant", "bee", "cat", "dog")
 
 
-def pretrain(run_dir, *overrides, nprocs=2, env=None) -> int:
-    argv = ["pretrain", "--config", TINY, f"run.dir={run_dir}", *COMMON, *overrides]
+def pretrain(run_dir, *overrides, nprocs=2, env=None, data=SYNTHETIC) -> int:
+    argv = ["pretrain", "--config", TINY, f"run.dir={run_dir}", *COMMON, *data, *overrides]
     return run_local(argv, nprocs, env=env, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> list[str]:
+    """`vitp prep` over 200 small JPEGs in 4 classes: 160 train images in 5 shards of 32 (2 ranks x 2
+    loader workers need 4), 40 val. 160 = 5 steps of 32 images, so a 6-step run starts a second epoch.
+    Returns the overrides that train on them with 2 loader workers per rank."""
+    root = tmp_path_factory.mktemp("prep")
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        c = i % len(CLASSES)
+        img = natural_image(rng, int(rng.integers(36, 56)), int(rng.integers(36, 56)))
+        img[..., c % 3] = np.maximum(img[..., c % 3], 60 * (c + 1))  # a class-dependent tint: learnable
+        (root / "images" / CLASSES[c]).mkdir(parents=True, exist_ok=True)
+        (root / "images" / CLASSES[c] / f"{i:03d}.jpg").write_bytes(jpeg_bytes(img))
+    out = root / "shards"
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "prep", str(root / "images"), str(out),
+                        "--val-fraction", "0.2", "--max-samples-per-shard", "32", "--no-progress"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = json.loads((out / "_info.json").read_text())
+    train, val = info["splits"]["train"], info["splits"]["val"]
+    assert (train["num_samples"], len(train["filenames"]), val["num_samples"]) == (160, 5, 40)
+    return [f"data.path={out}", "data.workers=2"]
 
 
 def metrics(run_dir) -> list[dict]:
@@ -47,17 +82,22 @@ def assert_same_weights(a, b):
         assert torch.equal(wa[k], wb[k]), k
 
 
+def loader_state(ckpt: Path, rank: int) -> dict:
+    return json.loads(torch.load(ckpt / f"vitp_rank{rank}.pt", weights_only=True)["loader"])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted 6-step runs, by ZeRO stage (made on first use)."""
+    """Uninterrupted 6-step runs, by ZeRO stage and data (made on first use)."""
     made = {}
 
-    def get(stage: int) -> Path:
-        if stage not in made:
+    def get(stage: int, data: list[str] = SYNTHETIC) -> Path:
+        key = (stage, tuple(data))
+        if key not in made:
             d = tmp_path_factory.mktemp(f"ref_zero{stage}")
-            assert pretrain(d, f"engine.zero_stage={stage}") == 0
-            made[stage] = d
-        return made[stage]
+            assert pretrain(d, f"engine.zero_stage={stage}", data=data) == 0
+            made[key] = d
+        return made[key]
 
     return get
 
@@ -80,41 +120,115 @@ def test_zero2_trains_and_writes_outputs(reference):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_zero_stages_agree(reference, tmp_path, stage):
+    """Losses and weights, by value: ZeRO-1 over 4 steps against ZeRO-2's step-4 checkpoint, ZeRO-3
+    over 6 steps against ZeRO-2's final weights (each consolidated from its own partitions)."""
+    from pipeline.weights import load_checkpoint_weights
+
+    ref = reference(2)
     if stage == 3:
-        run = reference(3)  # the kill/resume test needs this full run anyway
+        run, steps = reference(3), 6  # the kill/resume test needs this full run anyway
+        want = weights(ref)
     else:
-        run = tmp_path
-        assert pretrain(tmp_path, f"engine.zero_stage={stage}", "train.steps=3") == 0
-    got, ref = losses(run), losses(reference(2))
-    for s in (1, 2, 3):
-        assert got[s] == pytest.approx(ref[s], rel=1e-5, abs=1e-6)
+        run, steps = tmp_path, 4
+        assert pretrain(tmp_path, f"engine.zero_stage={stage}", "train.steps=4") == 0
+        want, _ = load_checkpoint_weights(ref / "checkpoints/step-00000004")
+    got = losses(run)
+    for s in range(1, steps + 1):
+        assert got[s] == pytest.approx(losses(ref)[s], rel=1e-5, abs=1e-6)
     assert got[3] < got[1]
-    w, wr = weights(run), weights(reference(2))
-    assert w.keys() == wr.keys()  # ZeRO-3 weights are consolidated like the others
+    w = weights(run)
+    assert w.keys() == want.keys()
+    moved = 0
+    for k in w:  # the same values, not only the same names
+        torch.testing.assert_close(w[k], want[k], rtol=1e-4, atol=1e-5, msg=k)
+        moved += not torch.equal(w[k], build_init()[k])
+    assert moved > len(w) // 2  # and they trained away from the initialisation
 
 
-@pytest.mark.parametrize("stage", [2, 3, pytest.param(1, marks=pytest.mark.slow)])
-def test_kill_and_resume_is_bit_exact(reference, tmp_path, stage):
-    ref = reference(stage)
-    rc = pretrain(tmp_path, f"engine.zero_stage={stage}", env={"VITP_TEST_KILL_AT_STEP": "5"})
+_INIT: dict = {}
+
+
+def build_init() -> dict[str, torch.Tensor]:
+    """The tiny recipe's initial weights (seed 0), to show compared weights are trained ones."""
+    if not _INIT:
+        from pipeline.config import load_config
+        from pipeline.model import build_vit
+        from pipeline.weights import model_kwargs
+
+        cfg = load_config(TINY, SYNTHETIC, world_size=2)
+        torch.manual_seed(cfg.seed)
+        _INIT.update(build_vit(cfg.model.name, **model_kwargs(cfg.model, 10)).state_dict())
+    return _INIT
+
+
+@pytest.mark.parametrize("stage,source", [(2, "shards"), (3, "synthetic"),
+                                          pytest.param(1, "shards", marks=pytest.mark.slow)])
+def test_kill_and_resume_is_bit_exact(reference, shards, tmp_path, stage, source):
+    """SIGKILL of rank 1 before step 5, then resume from step 4: the same losses and weights as the
+    uninterrupted run. Over prep's shards the loader (2 workers per rank) resumes mid-epoch from its
+    state in the checkpoint and then crosses into the second epoch (5 steps an epoch)."""
+    data = shards if source == "shards" else SYNTHETIC
+    ref = reference(stage, data)
+    rc = pretrain(tmp_path, f"engine.zero_stage={stage}", env={"VITP_TEST_KILL_AT_STEP": "5"}, data=data)
     assert rc != 0
     assert losses(tmp_path).keys() == {1, 2, 3, 4}
-    assert pretrain(tmp_path, f"engine.zero_stage={stage}") == 0
+    if source == "shards":
+        ck4 = tmp_path / "checkpoints/step-00000004"
+        for rank in (0, 1):
+            st = loader_state(ck4, rank)
+            assert (st["epoch"], st["step"], st["workers"], st["world_size"]) == (0, 4, 2, 2)
+    assert pretrain(tmp_path, f"engine.zero_stage={stage}", data=data) == 0
     assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # none twice
     assert losses(tmp_path) == losses(ref)
     assert_same_weights(tmp_path, ref)
+    if source == "shards":  # step 6 is the first micro batch of epoch 1
+        assert loader_state(tmp_path / "checkpoints/step-00000006", 0)["epoch"] == 1
+        assert loader_state(tmp_path / "checkpoints/step-00000006", 0)["step"] == 1
 
 
-def test_kill_during_save_resumes_from_previous(reference, tmp_path):
-    rc = pretrain(tmp_path, "engine.zero_stage=2", env={"VITP_TEST_KILL_DURING_SAVE": "4"})
+def test_kill_during_save_resumes_from_previous(reference, shards, tmp_path):
+    """Rank 1 dies after writing checkpoint 4's files, before it is published: the run resumes from
+    checkpoint 2 (loader, 2 workers per rank, at step 2 of prep's shards) and ends as the uninterrupted run."""
+    rc = pretrain(tmp_path, "engine.zero_stage=2", env={"VITP_TEST_KILL_DURING_SAVE": "4"}, data=shards)
     assert rc != 0
     ck = tmp_path / "checkpoints"
     assert (ck / "tmp-step-00000004").is_dir() and not (ck / "step-00000004").exists()
     assert (ck / "LATEST").read_text().strip() == "step-00000002"
-    assert pretrain(tmp_path, "engine.zero_stage=2") == 0
-    assert losses(tmp_path) == losses(reference(2))
-    assert_same_weights(tmp_path, reference(2))
+    assert loader_state(ck / "step-00000002", 1)["step"] == 2
+    assert pretrain(tmp_path, "engine.zero_stage=2", data=shards) == 0
+    assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert losses(tmp_path) == losses(reference(2, shards))
+    assert_same_weights(tmp_path, reference(2, shards))
     assert not list(ck.glob("tmp-*"))
+
+
+def test_mixup_cutmix_soft_targets_through_the_stage(reference, shards, tmp_path):
+    """data.mixup/cutmix over prep's shards: finite losses, and a run that differs from the same run
+    without mixing (which would be bit-identical: see the resume tests). Step 1 is ln 4 in both: the
+    zero-initialised head gives every class logit 0, and soft targets sum to 1."""
+    from pipeline.weights import load_checkpoint_weights
+
+    ref = reference(2, shards)
+    assert pretrain(tmp_path, "train.steps=4", "data.mixup=0.8", "data.cutmix=1.0", data=shards) == 0
+    got, want = losses(tmp_path), losses(ref)
+    assert sorted(got) == [1, 2, 3, 4] and all(math.isfinite(v) for v in got.values())
+    assert got[1] == pytest.approx(math.log(4), rel=1e-6) and want[1] == pytest.approx(math.log(4), rel=1e-6)
+    for s in (2, 3, 4):
+        assert abs(got[s] - want[s]) > 1e-5, (s, got[s], want[s])
+    mixed, (plain, _) = weights(tmp_path), load_checkpoint_weights(ref / "checkpoints/step-00000004")
+    assert max((mixed[k] - plain[k]).abs().max().item() for k in plain) > 1e-4  # ZeRO stages agree to 1e-5
+
+
+def test_non_finite_loss_exits_1_and_saves_nothing(tmp_path, capfd):
+    """lr=1e30 with the B/16 recipe's sigmoid loss on one rank: step 1 costs 10 ln 2 (10 classes at logit
+    0), its update blows the weights up, step 2's loss is not finite: exit 1, before the optimizer step,
+    with no checkpoint and no weights written."""
+    assert pretrain(tmp_path, "optim.lr=1e30", "train.loss=sigmoid", nprocs=1) == 1
+    err = capfd.readouterr().err
+    assert "error: step 2: non-finite loss (lr 1e+30)" in err and "last complete checkpoint: none" in err
+    assert losses(tmp_path) == {1: pytest.approx(10 * math.log(2), rel=1e-6)}
+    assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+    assert not (tmp_path / "model.safetensors").exists()
 
 
 def test_world_size_change_via_universal_checkpoint(reference, tmp_path, capfd):
@@ -139,12 +253,11 @@ def test_non_empty_run_dir_needs_fresh(tmp_path, capfd):
 
 
 @pytest.mark.mlflow_server
-def test_mlflow_outage_mid_run_loses_nothing(tmp_path, mlflow_server):
-    """The server is stopped while a run trains: the run completes, buffers (and at close spools) the
-    metrics it could not send; the next job on the run dir continues the same MLflow run and delivers
-    them. Every step's loss is in MLflow exactly once."""
-    import threading
-
+def test_mlflow_outage_mid_run_loses_nothing(tmp_path, mlflow_server, capfd):
+    """The server is stopped while a run trains (every rank holds before step 4 until the server is
+    down): the run completes, spools the metrics it could not send, and the next job on the run dir
+    continues the same MLflow run and delivers them. Every step's loss is in MLflow exactly once, and
+    steps 4-8 carry timestamps from after the server went down."""
     from mlflow import MlflowClient
 
     from tests.services import mlflow_start, mlflow_stop
@@ -152,31 +265,38 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, mlflow_server):
     exp = f"outage-{uuid.uuid4().hex[:12]}"  # the server's store outlives test sessions
     common = [f"tracking.uri={mlflow_server}", f"tracking.experiment={exp}", "tracking.enabled=true",
               "tracking.flush_every_s=0.5", "tracking.close_timeout_s=2"]  # job A need not wait for the server
+    run, gate = tmp_path / "run", tmp_path / "gate"
+    hold = {"VITP_TEST_PAUSE_AT_STEP": "4", "VITP_TEST_PAUSE_FILE": str(gate)}
     rc = {}
-    job = threading.Thread(target=lambda: rc.setdefault("a", pretrain(tmp_path, *common, "train.steps=8")))
+    job = threading.Thread(target=lambda: rc.setdefault("a", pretrain(run, *common, "train.steps=8", env=hold)))
     job.start()
     try:
-        while job.is_alive() and len(losses_or_empty(tmp_path)) < 2:  # wait for training to be under way
-            job.join(0.2)
+        deadline = time.monotonic() + 600
+        while not (tmp_path / "gate.4.reached.0").exists():  # written by rank 0 once it holds before step 4
+            assert job.is_alive() and time.monotonic() < deadline, "the run never reached step 4"
+            job.join(0.1)
         mlflow_stop()
-        job.join()
+        t_down = time.time()
     finally:
+        (tmp_path / "gate.4").touch()  # steps 4-8 run with the server down
+        job.join()
         mlflow_start()
     assert rc["a"] == 0
-    assert pretrain(tmp_path, *common, "train.steps=9") == 0  # resumes at 8, delivers the backlog
-    assert not (tmp_path / "mlflow_spool.jsonl").exists()
+    spooled = [json.loads(x) for x in (run / "mlflow_spool.jsonl").read_text().splitlines()]
+    held = {op["step"] for op in spooled if op["op"] == "metric" and op["key"] == "loss"}
+    assert set(range(4, 9)) <= held  # trained during the outage, kept for the next job
+    assert "records kept in" in capfd.readouterr().err
+
+    assert pretrain(run, *common, "train.steps=9") == 0  # resumes at 8, delivers the backlog
+    assert not (run / "mlflow_spool.jsonl").exists()
     client = MlflowClient(mlflow_server)
     runs = client.search_runs([client.get_experiment_by_name(exp).experiment_id])
     assert len(runs) == 1  # the second job continued the same run
     hist = client.get_metric_history(runs[0].info.run_id, "loss")
     assert sorted(m.step for m in hist) == list(range(1, 10))
-
-
-def losses_or_empty(run_dir) -> dict:
-    try:
-        return losses(run_dir)
-    except (FileNotFoundError, json.JSONDecodeError):  # not written yet, or a line half-written
-        return {}
+    down_ms = int(t_down * 1000)
+    assert all((m.timestamp >= down_ms) == (m.step >= 4) for m in hist), [(m.step, m.timestamp, down_ms)
+                                                                           for m in hist]
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -89,6 +89,44 @@ def test_big_vision_layout_posemb_without_cls_row():
     torch.testing.assert_close(_logits(dst, x), _logits(src, x), atol=1e-5, rtol=0)
 
 
+def _timm_vit(**kw):
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, mlp_ratio=2.0,
+                             num_classes=5, global_pool="token", **kw).eval()
+
+
+@pytest.mark.parametrize("layout", ["released", "big_vision"])
+def test_npz_export_read_by_timm_and_by_vitp_gives_the_same_logits(tmp_path, layout):
+    """An independent reader: timm's own loader for Google's .npz files (VisionTransformer.load_pretrained)
+    reads the file vitp exports, and vitp's loader reads the same file; both models compute the source's
+    logits. A layout mistake that vitp's exporter and loader share cannot pass this."""
+    src = _random_vit()
+    if layout == "released":  # google-research/vision_transformer checkpoints: pos-emb with the cls row
+        arrays = vitp_to_jax_npz(src, naming="released")
+        ref = _timm_vit()
+    else:  # big_vision: per-type naming, pos-emb of the patches only, added before the cls token is prepended
+        arrays = vitp_to_jax_npz(src, naming="current")
+        pe = arrays.pop("Transformer/posembed_input/pos_embedding")
+        arrays["pos_embedding"], arrays["cls"] = pe[:, 1:], arrays["cls"] + pe[:, :1]
+        ref = _timm_vit(no_embed_class=True)
+    path = tmp_path / f"{layout}.npz"
+    np.savez(path, **arrays)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.fill_(7.0)  # every weight timm fails to read shows up in the logits
+    ref.load_pretrained(str(path))
+    assert all((p != 7.0).any() for p in ref.parameters())
+    ours = build_vit(**TINY)
+    report = load_pretrained(ours, path)
+    assert report.missing == [] and report.unexpected == []
+    x = torch.randn(3, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    want = _logits(src, x)
+    assert want.abs().max() > 0.1  # logits with something in them
+    torch.testing.assert_close(_logits(ref, x), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_logits(ours, x), want, atol=1e-4, rtol=1e-4)
+
+
 def test_npz_into_larger_model_resamples_posemb_and_resets_head(tmp_path):
     src = _random_vit(representation_size=24)
     np.savez(tmp_path / "p.npz", **vitp_to_jax_npz(src))

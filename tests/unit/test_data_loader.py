@@ -143,11 +143,41 @@ def test_resampled_mode(data):
     assert set(seen) <= set(keys["train"]) and len(seen) == 40
 
 
+def test_one_shard_feeds_every_rank_and_worker(tmp_path):
+    """The loader splits samples, not shards: one shard serves 2 ranks x 2 workers (4 streams), each
+    sample once per epoch."""
+    keys = write_dataset(tmp_path, {"train": [32]})["train"]
+    cfg = DataCfg(path=str(tmp_path), workers=2, shuffle_buffer=4)
+    batches = [epoch(loader(cfg, r, micro_batch=2)) for r in (0, 1)]
+    assert [len(b) for b in batches] == [8, 8]  # 32 // 8 = 4 steps x 2 micro batches of 2, per rank
+    per_rank = [[k for _, _, ks in b for k in ks] for b in batches]
+    assert [len(set(r)) for r in per_rank] == [16, 16] and not set(per_rank[0]) & set(per_rank[1])
+    assert collections.Counter(per_rank[0] + per_rank[1]) == collections.Counter(keys)
+
+
+def test_workers_outlive_the_stop_signals_slurm_sends_to_every_process(tmp_path):
+    """scancel (TERM) and preemption (USR2) reach the loader workers too: they must keep serving until
+    the main process has finished its step and saved."""
+    import os
+    import signal
+
+    import psutil
+
+    keys = write_dataset(tmp_path, {"train": [16, 16]})["train"]
+    cfg = DataCfg(path=str(tmp_path), workers=2, shuffle_buffer=4)
+    it = iter(loader(cfg, 0, world=1, micro_batch=4, global_batch=4))
+    seen = list(next(it)[2])
+    workers = psutil.Process(os.getpid()).children()
+    assert len(workers) == 2
+    for w in workers:
+        w.send_signal(signal.SIGTERM)
+        w.send_signal(signal.SIGUSR2)
+    seen += [k for _, _, ks in it for k in ks]
+    assert collections.Counter(seen) == collections.Counter(keys)
+
+
 def test_clear_errors(data, tmp_path):
     cfg, _ = data
-    with pytest.raises(DataError, match="5 shards, fewer than world size 2 x data.workers 3"):
-        loader(cfg, num_workers=3)
-    loader(replace(cfg, resampled=True), num_workers=3)  # fine with replacement
     with pytest.raises(DataError, match="not divisible"):
         loader(cfg, global_batch=12)
     with pytest.raises(DataError, match="no split 'test'"):

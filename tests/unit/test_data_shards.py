@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.data.shards import DataError, TarError, _Counts, _read_shard, _segments, iter_tar, read_info
+from pipeline.data.shards import (
+    DataError,
+    TarError,
+    _Counts,
+    _read_shard,
+    _segments,
+    iter_tar,
+    read_info,
+)
 
 
 def image_bytes(i: int, fmt: str = "jpg", size=(40, 30)) -> bytes:
@@ -87,6 +95,29 @@ def test_read_info_errors(tmp_path):
     (tmp_path / "train-000001.tar").unlink()
     with pytest.raises(DataError, match="train-000001.tar which does not exist"):
         read_info(tmp_path)
+
+
+def test_check_splits_names_key_file_and_remedy(tmp_path):
+    from pipeline.data.loader import check_splits
+
+    write_dataset(tmp_path, {"train": [3, 2]})  # `vitp prep` without --val-fraction: no val split
+    check_splits(tmp_path, {"data.train_split": "train", "data.val_split": None})  # no evaluation: fine
+    with pytest.raises(DataError) as e:
+        check_splits(tmp_path, {"data.train_split": "train", "data.val_split": "val"})
+    assert str(e.value) == (f"data.val_split: 'val' not in {tmp_path}/_info.json (has: train); re-run vitp prep "
+                            "with --val-fraction or set data.val_split= (no evaluation)")
+    with pytest.raises(DataError, match=r"^data.train_split: 'big' not in .*\(has: train\); set data.train_split"):
+        check_splits(tmp_path, {"data.train_split": "big"})
+    info = json.loads((tmp_path / "_info.json").read_text())
+    info["splits"]["val"] = {"filenames": []}
+    (tmp_path / "_info.json").write_text(json.dumps(info))
+    with pytest.raises(DataError, match="^data.val_split: 'val' in .*_info.json is empty; re-run vitp prep"):
+        check_splits(tmp_path, {"data.val_split": "val"})
+    with pytest.raises(DataError, match=r"^data.path: .*nowhere/_info.json not found"):
+        check_splits(tmp_path / "nowhere", {"data.train_split": "train"})
+    check_splits("synthetic:val=4", {"data.train_split": "train", "data.val_split": "val"})
+    with pytest.raises(DataError, match=r"^data.val_split: 'val' not in data.path synthetic:val=0 \(has: train\)"):
+        check_splits("synthetic:val=0", {"data.val_split": "val"})
 
 
 def test_read_shard_ranges_and_bad_samples(tmp_path):

@@ -59,33 +59,82 @@ def test_default_param_groups_skip_decay_on_norms_biases_embeddings():
     assert all(p.ndim == 2 or p.ndim == 4 for p in decay["params"])
 
 
-def test_build_engine_sgd_with_layer_lr_scale(monkeypatch):
-    """One process, gloo: the transfer stage's SGD + per-group lr_scale through DeepSpeed ZeRO-1."""
+@pytest.fixture
+def one_rank(monkeypatch):
+    """A 1-rank gloo group for an in-process DeepSpeed engine; destroyed afterwards."""
     import torch.distributed as dist
 
     from pipeline.distributed import free_port
-    from pipeline.train import engine
 
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(k, v)  # restored afterwards, so other tests see no launcher
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
-    cfg = cfg_with("optim.name=sgd", "optim.lr=0.1", "optim.momentum=0.9", "engine.zero_stage=1",
-                   "train.global_batch=4", "train.micro_batch=4", world_size=1)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    groups = [{"params": list(model[0].parameters()), "lr_scale": 0.5},
-              {"params": list(model[1].parameters()), "lr_scale": 1.0}]
+
+def _sgd_step(model, groups, x, y, lr):
+    """One SGD step through DeepSpeed ZeRO-1 (no clipping, no decay) → (update, gradient) per parameter
+    name; the gradient comes from an untouched copy of the model, so nothing is read from the engine."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from pipeline.train import engine
+
+    cfg = cfg_with("optim.name=sgd", "optim.momentum=0.9", "optim.weight_decay=0", "optim.clip_grad=0",
+                   "engine.zero_stage=1", f"train.global_batch={len(x)}", f"train.micro_batch={len(x)}",
+                   world_size=1)
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(x), y).backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     eng = engine.build_engine(model, cfg, param_groups=groups)
-    engine.set_lr(eng, 0.2)
-    assert [g["lr"] for g in eng.optimizer.param_groups] == [pytest.approx(0.1), pytest.approx(0.2)]
-    before = [p.detach().clone() for p in model.parameters()]
-    loss = eng(torch.randn(4, 4)).pow(2).mean()
-    eng.backward(loss)
-    eng.step()
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    engine.set_lr(eng, lr)
+    eng.backward(F.cross_entropy(eng(x), y))
+    eng.step()  # the first SGD step: momentum buffer = gradient, so update = lr x lr_scale x gradient
     assert engine.grad_norm(eng) > 0
-    dist.destroy_process_group()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}, grads, eng
+
+
+def test_lr_scale_scales_the_update_as_layer_wise_decay(one_rank):
+    """The transfer stage's SGD + layer-wise lr decay groups (``lr_scale`` per group) through DeepSpeed
+    ZeRO-1: every parameter moves by lr x lr_scale x its gradient, so block i (of depth) moves by
+    lr x decay^(depth - i), patch embedding / class token / pos-emb by decay^(depth + 1), final norm and
+    head by lr. (One engine per process: DeepSpeed keeps its process groups in module globals.)"""
+    from pipeline.model import build_vit
+    from pipeline.train.engine import param_groups_layer_decay
+
+    torch.manual_seed(0)
+    depth, decay, lr = 3, 0.5, 0.1
+    model = build_vit(width=16, depth=depth, heads=2, mlp_dim=32, patch=4, img_size=8, num_classes=3)
+    with torch.no_grad():  # the zero-initialised head would give every other layer a zero gradient
+        model.head.weight.normal_(0, 0.5)
+    groups = param_groups_layer_decay(model, decay, weight_decay=0.0)
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    want_scale = {n: scale[id(p)] for n, p in model.named_parameters()}
+    update, grad, eng = _sgd_step(model, groups, torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 0]), lr)
+    assert sorted(g["lr"] for g in eng.optimizer.param_groups) == pytest.approx(
+        sorted(lr * decay ** k for k in range(depth + 2)))  # set_lr applies each group's scale
+    for name, g in grad.items():
+        assert g.abs().sum() > 0, name
+        # (atol: the update is a difference of fp32 weights, exact to ~1e-7 of them)
+        torch.testing.assert_close(update[name], lr * want_scale[name] * g, rtol=1e-3, atol=1e-7)
+
+    def block_ratio(prefix: str) -> float:  # |update| / (lr |gradient|) over a block's parameters
+        names = [n for n in grad if n.startswith(prefix)]
+        u = torch.cat([update[n].flatten() for n in names]).double()
+        g = torch.cat([grad[n].flatten() for n in names]).double()
+        return (u.norm() / g.norm()).item() / lr
+
+    got = [block_ratio(f"blocks.{i}.") for i in range(depth)]
+    assert got == pytest.approx([decay ** (depth - i) for i in range(depth)], rel=1e-4)  # 0.125, 0.25, 0.5
+    for prefix in ("patch_embed.", "pos_embed", "cls_token"):
+        assert block_ratio(prefix) == pytest.approx(decay ** (depth + 1), rel=1e-4), prefix
+    for prefix in ("norm.", "pre_logits.", "head."):
+        if any(n.startswith(prefix) for n in grad):
+            assert block_ratio(prefix) == pytest.approx(1.0, rel=1e-4), prefix
 
 
 def test_lr_schedule_warmup_then_decay():

@@ -105,3 +105,26 @@ def test_wrong_shapes_fail_clearly():
         ridge_fit(torch.zeros(3, 2), torch.zeros(4, dtype=torch.long), 2, 1.0)
     with pytest.raises(ValueError, match="l2 must be > 0"):
         ridge_fit(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long), 2, 0.0)
+
+
+def test_in_run_subsets_are_fixed_nested_and_skip_what_a_class_cannot_supply():
+    from pipeline.train.evaluators import nested_shots
+
+    labels = np.array([0] * 10 + [1] * 6 + [2] * 8)
+    shots, skipped = nested_shots(labels, [5, 1, 10], 3)
+    assert sorted(shots) == [1, 5] and skipped == {10: "class 1 has 6 training samples, fewer than 10"}
+    assert set(shots[1]) <= set(shots[5])
+    for k, idx in shots.items():
+        assert np.bincount(labels[idx], minlength=3).tolist() == [k, k, k]
+    again, _ = nested_shots(labels, [1, 5], 3)
+    assert all(np.array_equal(again[k], shots[k]) for k in shots)  # the same subset every time
+
+
+def test_fewshot_data_names():
+    from pipeline.config import ConfigError, fewshot_sets, load_config
+
+    assert fewshot_sets(["/d/digits/", "pets=/d/shards"]) == [("digits", "/d/digits/"), ("pets", "/d/shards")]
+    base = ["model.name=vit_ti16", "eval.fewshot_data=[/a/shards,/b/shards]"]
+    with pytest.raises(ConfigError, match="eval.fewshot_data: each set needs its own name"):
+        load_config(None, base, world_size=1)
+    assert load_config(None, [*base[:1], "eval.fewshot_data=[a=/a/shards,b=/b/shards]"], world_size=1)

@@ -25,7 +25,7 @@ from launch.submit import (
     split_shards,
 )
 from pipeline.config import ConfigError
-from pipeline.distributed import RendezvousError, free_port, init_process_group, port_free, rendezvous_port
+from pipeline.distributed import DistEnv, RendezvousError, free_port, init_process_group, port_free, rendezvous_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
@@ -40,7 +40,8 @@ def test_slurm_parameters_from_resources_file():
         "name": cfg.cluster.job_name, "nodes": 4, "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 12,
         "mem_gb": 960.0, "timeout_min": 90, "slurm_partition": "gpu", "slurm_account": "vision",
         "slurm_qos": "high", "slurm_exclusive": True, "slurm_signal_delay_s": 300,
-        "slurm_additional_parameters": {"requeue": True, "mail-type": "END"}}
+        "slurm_additional_parameters": {"requeue": True, "mail-type": "END"},
+        "slurm_setup": ["export SRUN_CPUS_PER_TASK=12"]}  # srun inherits --cpus-per-task on every version
 
 
 def test_slurm_parameters_render_to_sbatch(tmp_path):
@@ -85,6 +86,68 @@ def test_parse_sweep(tmp_path):
         parse_sweep(["optim.lr"])
 
 
+SUBMIT = ["pretrain", "--config", TINY, "--cluster", "local", "data.path=synthetic", "cluster.tasks_per_node=1"]
+
+
+def test_dry_run_checks_every_sweep_task_prints_sbatch_parameters_and_submits_nothing(tmp_path, capsys):
+    from launch.submit import submit_main
+
+    jobs, run = tmp_path / "jobs", tmp_path / "run"
+    where = [f"cluster.log_dir={jobs}", f"run.dir={run}"]
+    assert submit_main([*SUBMIT, *where, "--dry-run", "--sweep", "optim.lr=1e-3,3e-4"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    want = slurm_parameters(load_submit_config(TINY, ["data.path=synthetic", "cluster.tasks_per_node=1", *where]))
+    assert printed == want and printed["tasks_per_node"] == 1 and printed["nodes"] == 1
+    # one bad task in the sweep fails the whole submission, before anything is queued
+    assert submit_main([*SUBMIT, *where, "--dry-run", "--sweep", "train.micro_batch=16,7"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: train.global_batch: 32 is not divisible") and len(err.splitlines()) == 1
+    assert not jobs.exists() and not run.exists()  # no index, no job folder, no run dir
+
+
+def record_stage(cfg) -> dict:
+    """A stand-in stage for the sweep test: records what its task was given."""
+    import os
+
+    run = Path(cfg.run.dir)
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "seen.json").write_text(json.dumps({"lr": cfg.optim.lr, "steps": cfg.train.steps,
+                                               "tags": json.loads(os.environ["VITP_MLFLOW_TAGS"])}))
+    return {"status": "completed", "step": cfg.train.steps, "run_dir": str(run)}
+
+
+def test_sweep_and_sweep_file_submit_one_array_task_each(tmp_path, capsys, monkeypatch):
+    """--sweep x --sweep-file rows: one array task each, its own run dir (base/SWEEP_ID/i unless the row
+    names one), its own resolved config, and the sweep's MLflow tags."""
+    from launch.jobs import read_index, wait
+    from launch.submit import submit_main
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the tasks import this module for record_stage
+    jobs, run, own = tmp_path / "jobs", tmp_path / "run", tmp_path / "own"
+    rows = tmp_path / "sweep.yaml"
+    rows.write_text(f"- {{train.steps: 3}}\n- {{train.steps: 5, run.dir: {own}}}\n")
+    argv = [*SUBMIT, f"cluster.log_dir={jobs}", f"run.dir={run}", "--sweep", "optim.lr=0.002",
+            "--sweep-file", str(rows)]
+    assert submit_main(argv, target="tests.unit.test_submit:record_stage") == 0
+    out = capsys.readouterr().out.splitlines()
+    entries = read_index(jobs)
+    assert len(entries) == 2 and len({e["sweep"] for e in entries}) == 1
+    sweep = entries[0]["sweep"]
+    assert out[0].startswith("job ") and [ln.split()[1] for ln in out[1:]] == [e["job_id"] for e in entries]
+    states = wait(entries, poll_s=0.5, timeout_s=300)
+    assert list(states.values()) == ["COMPLETED", "COMPLETED"], states
+    dirs = [run / sweep / "0", own]
+    assert [e["run_dir"] for e in entries] == [str(d) for d in dirs]
+    for i, (d, steps) in enumerate(zip(dirs, (3, 5))):
+        seen = json.loads((d / "seen.json").read_text())
+        assert (seen["lr"], seen["steps"]) == (0.002, steps)
+        assert seen["tags"] == {"sweep": sweep, "sweep_index": str(i),
+                                "sweep_overrides": f"optim.lr=0.002 train.steps={steps}"
+                                + ("" if i == 0 else f" run.dir={own}")}
+        resolved = (Path(entries[i]["folder"]) / "config.yaml").read_text()
+        assert f"steps: {steps}" in resolved and "lr: 0.002" in resolved
+
+
 @pytest.mark.parametrize("n,tasks", [(10, 3), (3, 3), (2, 5), (7, 1), (100, 16)])
 def test_split_shards_covers_plan(n, tasks):
     ranges = split_shards(n, tasks)
@@ -95,21 +158,31 @@ def test_split_shards_covers_plan(n, tasks):
     assert max(sizes) - min(sizes) <= 1
 
 
-def test_check_data(tmp_path):
+def test_check_data(tmp_path, capsys):
     def cfg(*o):
-        return load_submit_config(TINY, list(o))  # 1 node x 2 tasks, workers 1
+        return load_submit_config(TINY, list(o))  # 1 node x 2 tasks, workers 1, data.val_split: val
 
     with pytest.raises(SubmitError, match="data.path: empty"):
         check_data(cfg(), "pretrain")
     with pytest.raises(SubmitError, match=r"_info.json not found"):
         check_data(cfg(f"data.path={tmp_path}"), "pretrain")
-    (tmp_path / "_info.json").write_text(json.dumps({"splits": {"train": {"filenames": ["a.tar", "b.tar", "c.tar"]}}}))
-    check_data(cfg(f"data.path={tmp_path}"), "pretrain")
-    with pytest.raises(SubmitError, match=r"3 'train' shards < world size 2 x data.workers 2 = 4"):
-        check_data(cfg(f"data.path={tmp_path}", "data.workers=2"), "pretrain")
-    check_data(cfg(f"data.path={tmp_path}", "data.workers=2", "data.resampled=true"), "pretrain")
-    with pytest.raises(SubmitError, match="has no split 'big'"):
-        check_data(cfg(f"data.path={tmp_path}", "data.train_split=big"), "pretrain")
+    (tmp_path / "_info.json").write_text(json.dumps({"splits": {"train": {"filenames": ["a.tar"]}}}))
+    # the shipped recipes evaluate on 'val': a dataset without it fails here, not at the end of training
+    with pytest.raises(SubmitError, match=r"^data.val_split: 'val' not in .*\(has: train\); re-run vitp prep"):
+        check_data(cfg(f"data.path={tmp_path}"), "pretrain")
+    with pytest.raises(SubmitError, match=r"^data.val_split: 'val' not in"):
+        check_data(cfg(f"data.path={tmp_path}"), "eval")
+    with pytest.raises(SubmitError, match="^data.train_split: 'big' not in"):
+        check_data(cfg(f"data.path={tmp_path}", "data.train_split=big", "data.val_split="), "pretrain")
+    check_data(cfg(f"data.path={tmp_path}", "data.val_split="), "pretrain")
+    with pytest.raises(SubmitError, match=r"^data.val_split: 'val' not in"):  # transfer's final eval reads val
+        check_data(cfg(f"data.path={tmp_path}", "data.val_split="), "transfer")
+    # one shard for 2 ranks x 2 workers: the loader splits samples, so no refusal and, locally, no warning
+    check_data(cfg(f"data.path={tmp_path}", "data.val_split=", "data.workers=2"), "pretrain")
+    assert capsys.readouterr().err == ""
+    (tmp_path / "_info.json").write_text(json.dumps({"splits": {"train": {"filenames": ["https://h/a.tar"]}}}))
+    check_data(cfg(f"data.path={tmp_path}", "data.val_split=", "data.workers=2"), "pretrain")
+    assert capsys.readouterr().err.startswith("warning: data.path: 1 remote 'train' shards for 4 loader streams")
     check_data(cfg("data.path=synthetic"), "pretrain")
 
 
@@ -125,9 +198,45 @@ def test_job_dist_env_from_submitit_environment():
     assert job_dist_env(local, environ={}).master_addr == "127.0.0.1"
 
 
-def test_rendezvous_port_clash_is_a_clear_error():
-    from pipeline.distributed import DistEnv
+SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+              "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]"}
 
+
+@pytest.mark.parametrize("restart", [0, 1])
+def test_dist_env_from_slurm_variables_agrees_with_the_job_launcher(restart):
+    """A task started by srun alone (no launcher variables) reads rank/world/master from SLURM_*; a task
+    started by submitit derives them in launch.preempt.job_dist_env. For the same job they must agree,
+    the port above all: ranks that derive different ports never meet."""
+    from pipeline.distributed import dist_env
+
+    env = {**SLURM_TASK, "SLURM_RESTART_COUNT": str(restart)}
+    d = dist_env(env)
+    assert (d.rank, d.world_size, d.local_rank, d.local_world_size) == (5, 8, 1, 4)
+    assert d.master_addr == "gpu07" and d.source == "slurm"
+    assert d.master_port == 20000 + (4242 * 7 + restart) % 20000  # 29694 + restart
+    je = SimpleNamespace(num_tasks=8, num_nodes=2, global_rank=5, local_rank=1, job_id="4242", cluster="slurm",
+                         hostnames=["gpu07", "gpu08"])
+    j = job_dist_env(je, environ={"SLURM_RESTART_COUNT": str(restart)})
+    assert (j.rank, j.world_size, j.local_rank, j.local_world_size, j.master_addr, j.master_port) == (
+        d.rank, d.world_size, d.local_rank, d.local_world_size, d.master_addr, d.master_port)
+
+
+def test_dist_env_precedence_and_defaults():
+    from pipeline.distributed import dist_env
+
+    # a launcher's variables win over SLURM's (torchrun inside an allocation)
+    launcher = {**SLURM_TASK, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "1234"}
+    d = dist_env(launcher)
+    assert (d.rank, d.world_size, d.local_rank, d.master_addr, d.master_port, d.source) == (
+        1, 2, 0, "10.0.0.9", 1234, "env")
+    # SLURM without SLURM_NTASKS_PER_NODE: tasks spread evenly; MASTER_* exported by a site script win
+    no_per_node = {k: v for k, v in SLURM_TASK.items() if k != "SLURM_NTASKS_PER_NODE"}
+    d = dist_env({**no_per_node, "MASTER_ADDR": "gpu08", "MASTER_PORT": "2345"})
+    assert (d.local_world_size, d.master_addr, d.master_port) == (4, "gpu08", 2345)
+    assert dist_env({}) == DistEnv()  # no launcher, no SLURM: one process
+
+
+def test_rendezvous_port_clash_is_a_clear_error():
     with socket.socket() as s:
         s.bind(("", 0))
         s.listen()

@@ -1,0 +1,218 @@
+"""Few-shot evaluators inside a training run, as big_vision runs them during pre-training (the
+paper judges pre-training by few-shot linear accuracy: its Figures 5, 6 and 8).
+
+For every folder of ``eval.fewshot_data`` (a `vitp prep` output with ``train`` and ``test`` splits,
+named by its folder or as ``NAME=PATH``):
+
+    at the start of the run (once)
+        the train split's labels: each rank reads the ``.cls`` of every W-th shard (tar headers and
+        label bytes, no image), one all_gather_object joins them
+        a fixed k-shot subset: per class a permutation seeded 0 (the same subset in every run and at
+        every step), its first k for each k of ``eval.fewshot_shots`` (nested; a k that some class
+        cannot supply is skipped, said once)
+    every ``train.fewshot_every`` steps and at the end
+        pre-logit features (the head's input) of the subset and of the whole test split: each sample
+        on one rank, the same number of forward calls through the engine on every rank (ZeRO-3
+        gathers parameters inside forward, so nothing else may call the model meanwhile)
+        one gather_object of the features to rank 0, which solves the closed-form ridge for each k
+        (pipeline/eval/fewshot.py) and scores the test split; the others wait for it on the side
+        group (no rank waits inside a collective's timeout)
+        -> {"fewshot/<name>/<k>shot": accuracy, "fewshot/seconds": wall time} on rank 0 (the first
+           time also "fewshot/setup_seconds", the label scan)
+
+Decoded test and subset images stay in memory between evaluations (the eval transform is
+deterministic) while a rank's share fits ``CACHE_BYTES``; beyond that they are read again each time.
+
+Which steps are done is read from the run's log: a step is evaluated once, after that step's
+checkpoint, and a resumed run (after a stop, or a kill during an evaluator) evaluates the step it
+resumes at unless ``metrics.jsonl`` already holds its few-shot record. A stop request that arrives
+while an evaluator runs is honoured at the next step boundary, as always.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import torch
+
+from pipeline.config import Config, DataCfg, fewshot_sets
+from pipeline.data import DataError
+from pipeline.data import loader as shard_loader
+from pipeline.data.shards import _Counts, _read_shard
+from pipeline.distributed import all_gather_object, all_reduce, gather_object, rank0_print, rank_world, wait_for_rank0
+from pipeline.eval import fewshot as fs
+from pipeline.train.checkpoint import maybe_fault
+
+CACHE_BYTES = 1 << 30  # decoded uint8 images kept per rank, all evaluators together
+SUBSET_SEED = 0
+PREFIX = "fewshot/"
+
+
+def train_labels(info, split: str, rank: int, world: int) -> np.ndarray:
+    """Labels [N] of every sample of ``split`` in position order; rank r reads shards r, r+W, ..."""
+    sp = info.split(split)
+    mine = {s: [x[2] for x in _read_shard(sp.urls[s], _Counts(), 0, None, num_classes=info.num_classes, read=False)]
+            for s in range(rank, len(sp.urls), world)}
+    shards: dict[int, list[int]] = {}
+    for part in all_gather_object(mine):
+        shards.update(part)
+    return np.array([y for s in range(len(sp.urls)) for y in shards[s]], dtype=np.int64)
+
+
+def nested_shots(labels: np.ndarray, shots: list[int], num_classes: int, seed: int = SUBSET_SEED
+                 ) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+    """({k: positions of k training samples per class}, {k: why skipped}); the positions of k are the
+    first k of each class's seeded permutation, so smaller subsets lie inside larger ones."""
+    g = torch.Generator().manual_seed(seed)
+    perms = []
+    for c in range(num_classes):
+        idx = np.flatnonzero(labels == c)
+        perms.append(idx[torch.randperm(len(idx), generator=g).numpy()])
+    fewest = min((len(p) for p in perms), default=0)
+    chosen, skipped = {}, {}
+    for k in sorted(set(shots)):
+        if k > fewest:
+            c = min(range(num_classes), key=lambda c: len(perms[c]))
+            skipped[k] = f"class {c} has {len(perms[c])} training samples, fewer than {k}"
+            continue
+        chosen[k] = np.sort(np.concatenate([p[:k] for p in perms]))
+    return chosen, skipped
+
+
+class _Set:
+    """One few-shot dataset: its subset, its test split, and (maybe) their decoded batches."""
+
+    def __init__(self, name: str, path: str, cfg: Config, rank: int, world: int):
+        self.name = name
+        self.data = DataCfg(path=path, workers=0, eval_crop_pct=cfg.data.eval_crop_pct, val_split="test")
+        try:
+            self.info = shard_loader.read_info(path)
+            self.info.split("train")
+            self.info.split("test")
+        except DataError as e:
+            raise DataError(f"eval.fewshot_data: {e}") from None
+        if self.info.multi_label:
+            raise DataError(f"eval.fewshot_data: {path} is multi-label; few-shot needs single-label data")
+        labels = train_labels(self.info, "train", rank, world)
+        self.shots, skipped = nested_shots(labels, list(cfg.eval.fewshot_shots), self.info.num_classes)
+        for k, why in skipped.items():
+            rank0_print(f"few-shot {self.name}: {k}-shot skipped ({why})")
+        self.subset = self.shots[max(self.shots)] if self.shots else np.zeros(0, dtype=np.int64)
+        kw = dict(img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=rank, world_size=world, num_workers=0)
+        self.loaders = {"train": shard_loader.EvalLoader(self.data, split="train", positions=self.subset.tolist(),
+                                                         **kw),
+                        "test": shard_loader.EvalLoader(self.data, split="test", **kw)}
+        self.cached: dict[str, list] = {}
+
+    def rank_bytes(self, img_size: int) -> int:
+        return sum(ld.num_batches * ld.batch for ld in self.loaders.values()) * 3 * img_size * img_size
+
+    def batches(self, part: str, cache: bool):
+        """(uint8 images, labels, valid, positions of the rows) of this rank's share of ``part``."""
+        if part in self.cached:
+            yield from self.cached[part]
+            return
+        ld, kept = self.loaders[part], []
+        pos = list(ld.rank_positions)
+        for b, (x, y, valid) in enumerate(ld):
+            p = torch.tensor(pos[b * ld.batch:(b + 1) * ld.batch] + [-1] * ld.batch)[:ld.batch]
+            item = (x, y, valid, p)
+            if cache:
+                kept.append(item)
+            yield item
+        if cache:
+            self.cached[part] = kept
+
+
+class FewshotEvaluators:
+    """The few-shot evaluators of a run: ``maybe_run(step)`` on every rank at every step boundary."""
+
+    def __init__(self, cfg: Config, engine, device, dtype, history: list[dict]):
+        self.cfg, self.engine, self.device, self.dtype = cfg, engine, device, dtype
+        self.rank, self.world = rank_world()
+        t0 = time.perf_counter()
+        self.every = cfg.train.fewshot_every
+        self.sets = [_Set(n, p, cfg, self.rank, self.world) for n, p in fewshot_sets(cfg.eval.fewshot_data)]
+        budget = sum(s.rank_bytes(cfg.model.img_size) for s in self.sets)
+        self.cache = budget <= CACHE_BYTES
+        # the newest step whose few-shot record is in metrics.jsonl (rank 0 read it); every rank agrees
+        done = max((r["step"] for r in history if any(k.startswith(PREFIX) for k in r)), default=0)
+        if self.sets:
+            done = int(all_reduce(torch.tensor([done], dtype=torch.int64, device=device), "max").item())
+        self.done = done
+        self.setup_s = time.perf_counter() - t0  # logged with the first evaluation
+
+    def due(self, step: int, final: bool = False) -> bool:
+        return bool(self.sets) and step > self.done and (final or (self.every > 0 and step % self.every == 0))
+
+    def maybe_run(self, step: int, final: bool = False) -> dict | None:
+        """None when ``step`` is not an evaluation step (or was evaluated); else run every evaluator
+        (collective) and return its metrics ({} on ranks other than 0)."""
+        if not self.due(step, final):
+            return None
+        t0 = time.perf_counter()
+        out: dict = {}
+        for s in self.sets:
+            out.update(self._run(s, step))
+        self.done = step
+        if self.rank == 0:
+            out[PREFIX + "seconds"] = time.perf_counter() - t0
+            if self.setup_s is not None:
+                out[PREFIX + "setup_seconds"], self.setup_s = self.setup_s, None
+            rank0_print(f"step {step:>7d}  " + "  ".join(f"{k[len(PREFIX):]} {v:.3f}" for k, v in out.items()
+                                                        if not k.endswith("seconds")))
+        return out
+
+    @torch.no_grad()
+    def _features(self, s: _Set, part: str, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's pre-logit features [n, D] float32 (host), labels [n], positions [n] of ``part``.
+        The features stay on the device until the last batch: one copy back, no sync per batch."""
+        model = self.engine
+        head = getattr(getattr(model, "module", model), "head", None)
+        got: list[torch.Tensor] = []
+        hook = head.register_forward_pre_hook(lambda _m, a: got.append(a[0])) if head is not None else None
+        feats, labels, valid, pos = [], [], [], []
+        try:
+            for b, (x, y, ok, p) in enumerate(s.batches(part, self.cache)):
+                x = shard_loader.normalize(x.to(self.device, non_blocking=True)).to(self.dtype)
+                out = model(x)
+                feats.append((got.pop() if hook is not None else out).float())
+                labels.append(y)
+                valid.append(ok)
+                pos.append(p)
+                if b == 0:
+                    maybe_fault("fewshot", step)
+        finally:
+            if hook is not None:
+                hook.remove()
+        keep = torch.cat(valid)
+        return torch.cat(feats).cpu()[keep], torch.cat(labels)[keep], torch.cat(pos)[keep]
+
+    def _run(self, s: _Set, step: int) -> dict:
+        if not s.shots:  # every shot count was skipped (said at the start); the same on every rank
+            return {}
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            train = self._features(s, "train", step)
+            test = self._features(s, "test", step)
+        finally:
+            self.engine.train(was_training)
+        parts = gather_object((train, test))  # rank 0: every rank's; others: None
+        out = {}
+        if self.rank == 0:
+            tr_x, tr_y, tr_pos = (torch.cat(c) for c in zip(*(p[0] for p in parts)))
+            te_x, te_y, _ = (torch.cat(c) for c in zip(*(p[1] for p in parts)))
+            row = {int(q): i for i, q in enumerate(tr_pos.tolist())}
+            for k, subset in s.shots.items():
+                idx = torch.tensor([row[q] for q in subset.tolist() if q in row], dtype=torch.int64)
+                if len(idx) < len(subset):
+                    warnings.warn(f"few-shot {s.name}: {len(subset) - len(idx)} of the {k}-shot images did not "
+                                  "decode; solved without them", stacklevel=2)
+                acc = fs.ridge_accuracy(tr_x[idx], tr_y[idx], te_x, te_y, s.info.num_classes,
+                                        self.cfg.eval.fewshot_l2)
+                out[f"{PREFIX}{s.name}/{k}shot"] = acc
+        wait_for_rank0()  # the solve is rank 0's alone: the others wait outside any collective's timeout
+        return out

@@ -1,0 +1,92 @@
+"""The training objective and the weight average, against numbers computed by hand: the B/16 recipe's
+sigmoid loss (the paper's per-class sigmoid cross-entropy) and EMA's closed form."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline.config import load_config
+from pipeline.train.ema import Ema
+from pipeline.train.loss import loss_fn as train_loss
+
+B16 = "configs/pretrain/vit_b16.yaml"
+
+
+def loss_fn(cfg, logits, targets):
+    """The loss the stage computes for this config."""
+    return train_loss(cfg.train.loss, logits, targets, label_smoothing=cfg.data.label_smoothing)
+
+
+def _bce(z: float, t: float) -> float:
+    """-(t log sigmoid(z) + (1 - t) log(1 - sigmoid(z))), written out."""
+    return -(t * math.log(1 / (1 + math.exp(-z))) + (1 - t) * math.log(1 - 1 / (1 + math.exp(-z))))
+
+
+def test_b16_recipe_uses_the_sigmoid_loss_summed_over_classes_averaged_over_images():
+    cfg = load_config(B16, ["data.path=synthetic"], world_size=64)
+    assert cfg.train.loss == "sigmoid"
+    logits = torch.tensor([[2.0, -1.0, 0.0, 0.5], [0.5, 0.5, -3.0, 1.0]])
+    labels = torch.tensor([0, 2])
+    want = sum(_bce(z, float(k == y)) for row, y in zip(logits.tolist(), labels.tolist())
+               for k, z in enumerate(row)) / 2
+    assert loss_fn(cfg, logits, labels).item() == pytest.approx(want, rel=1e-6)  # 3.7155...
+    soft = torch.tensor([[0.7, 0.0, 0.3, 0.0], [0.0, 0.5, 0.5, 0.0]])  # mixup targets
+    want_soft = sum(_bce(z, t) for zr, tr in zip(logits.tolist(), soft.tolist()) for z, t in zip(zr, tr)) / 2
+    assert loss_fn(cfg, logits, soft).item() == pytest.approx(want_soft, rel=1e-6)
+    # the zero-initialised head: every class at logit 0 costs ln 2, whatever the label
+    assert loss_fn(cfg, torch.zeros(3, 10), torch.tensor([1, 4, 9])).item() == pytest.approx(10 * math.log(2))
+
+
+def test_softmax_loss_with_soft_targets_is_cross_entropy():
+    cfg = load_config(B16, ["data.path=synthetic", "train.loss=softmax"], world_size=64)
+    logits = torch.tensor([[2.0, -1.0, 0.0], [0.5, 0.5, -3.0]])
+    soft = torch.tensor([[0.6, 0.4, 0.0], [0.0, 0.0, 1.0]])
+    lse = [math.log(sum(math.exp(z) for z in row)) for row in logits.tolist()]
+    want = (0.6 * (lse[0] - 2.0) + 0.4 * (lse[0] + 1.0) + (lse[1] + 3.0)) / 2
+    assert loss_fn(cfg, logits, soft).item() == pytest.approx(want, rel=1e-6)
+    assert loss_fn(cfg, logits, torch.tensor([0, 2])).item() == pytest.approx(((lse[0] - 2.0) + (lse[1] + 3.0)) / 2)
+
+
+def test_ema_after_n_updates_equals_the_closed_form():
+    """ema_n = d^n p_0 + (1 - d) sum_t d^(n - t) p_t, with p_t the weights after optimizer step t."""
+    d, n = 0.9, 7
+    lin = torch.nn.Linear(3, 2)
+    seq = [torch.randn(2, 3, generator=torch.Generator().manual_seed(t)) for t in range(n + 1)]
+    c = torch.tensor([0.5, -2.0])
+    with torch.no_grad():
+        lin.weight.copy_(seq[0])
+        lin.bias.zero_()
+    ema = Ema(lin, d)
+    for t in range(1, n + 1):
+        with torch.no_grad():
+            lin.weight.copy_(seq[t])
+            lin.bias.copy_(c)
+        ema.update(lin)
+    want = d ** n * seq[0].double() + (1 - d) * sum(d ** (n - t) * seq[t].double() for t in range(1, n + 1))
+    got = ema.state_dict()["weight"]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    # from 0, a constant weight c: ema_n = (1 - d^n) c  (0.5217 c for 0.9 and 7)
+    torch.testing.assert_close(ema.state_dict()["bias"], (1 - d ** n) * c, rtol=1e-6, atol=1e-7)
+
+
+def test_ema_resumed_from_its_state_continues_bit_exactly():
+    d = 0.75
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4).to(torch.bfloat16)  # the average is kept in fp32 whatever the weights are
+    steps = [torch.randn(4, 4).to(torch.bfloat16) for _ in range(6)]
+    whole = Ema(lin, d)
+    for w in steps[:3]:
+        lin.weight.data.copy_(w)
+        whole.update(lin)
+    resumed = Ema(lin, d)
+    resumed.load_state_dict({k: v.clone() for k, v in whole.state_dict().items()})
+    for w in steps[3:]:
+        lin.weight.data.copy_(w)
+        whole.update(lin)
+        resumed.update(lin)
+    for k, v in whole.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(v, resumed.state_dict()[k]), k
+    with pytest.raises(ValueError, match="checkpoint EMA lacks"):
+        resumed.load_state_dict({"weight": whole.state_dict()["weight"]})

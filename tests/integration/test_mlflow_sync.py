@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -71,36 +72,51 @@ def test_vitp_sync_input_errors_are_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_stranded_runs_are_finished_by_vitp_sync(mlflow_server, tmp_path):
-    """Run A starts with the server up and loses it before its end; run B (a whole `vitp pretrain`)
-    never reaches it. Both finish training, spool, and name `vitp sync`; after the server is back,
-    `vitp sync` delivers every step once and ends both runs FINISHED; a second sync has nothing to do."""
+    """Run B (`vitp pretrain`, 8 steps) loses the server before step 4 and never sees it again; run A
+    (a Tracker) never reaches it at all. Both end, spool, and name `vitp sync`; once the server is
+    back `vitp sync` delivers every step once and ends both runs FINISHED at the time the job ended;
+    a second sync has nothing to do."""
+    from pipeline.train.checkpoint import latest_checkpoint, read_manifest
     from tests.services import mlflow_start, mlflow_stop
 
-    exp, a_dir, b_dir = f"stranded-{uuid.uuid4().hex[:10]}", tmp_path / "a", tmp_path / "b"
+    exp, a_dir, b_dir, gate = f"stranded-{uuid.uuid4().hex[:10]}", tmp_path / "a", tmp_path / "b", tmp_path / "gate"
     a_dir.mkdir()
-    a = Tracker(mlflow_server, experiment=exp, run_name="a", spool_dir=a_dir, flush_every_s=0.2)
-    for step in range(1, 6):
-        a.log_metrics({"loss": 1.0 / step}, step)
-    assert a.flush(60)  # steps 1-5 reached the server
-    mlflow_stop()
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", VITP_TEST_PAUSE_AT_STEP="4",
+               VITP_TEST_PAUSE_FILE=str(gate))
+    b = subprocess.Popen(
+        [sys.executable, "-m", "launch.cli", "pretrain", "--config", str(ROOT / "configs/pretrain/tiny_cpu.yaml"),
+         f"run.dir={b_dir}", "data.path=synthetic:train=64,val=16", "model.img_size=16", "train.steps=8",
+         "train.log_every=1", "checkpoint.every=0", f"tracking.uri={mlflow_server}", f"tracking.experiment={exp}",
+         "tracking.close_timeout_s=2", "tracking.flush_every_s=0.2"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for step in range(6, 41):
+        while not (tmp_path / "gate.4.reached.0").exists():  # B holds before step 4, its run made
+            with pytest.raises(subprocess.TimeoutExpired):
+                b.wait(timeout=0.1)  # (B must not have ended)
+        mlflow_stop()
+        (tmp_path / "gate.4").touch()  # steps 4-8 and B's end happen with the server down
+        _, err = b.communicate(timeout=600)
+        assert b.returncode == 0, err[-3000:]
+        assert f"vitp sync {b_dir}" in err
+        a = Tracker(mlflow_server, experiment=exp, run_name="a", spool_dir=a_dir, flush_every_s=0.2,
+                    params={"optim.lr": 0.1})
+        for step in range(1, 41):
             a.log_metrics({"loss": 1.0 / step}, step)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             a.close(timeout=1.0, status="FINISHED")
         assert any(f"vitp sync {a_dir}" in str(x.message) for x in w)
-        r = vitp("pretrain", "--config", str(ROOT / "configs/pretrain/tiny_cpu.yaml"), f"run.dir={b_dir}",
-                 "data.path=synthetic:train=64,val=16", "model.img_size=16", "train.steps=6", "train.log_every=1",
-                 "checkpoint.every=0", f"tracking.uri={mlflow_server}", f"tracking.experiment={exp}",
-                 "tracking.close_timeout_s=1", "tracking.flush_every_s=0.2")
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert f"vitp sync {b_dir}" in r.stderr
         assert (a_dir / SPOOL).is_file() and (b_dir / SPOOL).is_file()
     finally:
+        if b.poll() is None:
+            (tmp_path / "gate.4").touch()
+            b.kill()
+        back = time.time()
         mlflow_start()
     c = MlflowClient(mlflow_server)
-    assert c.get_run(a.run_id).info.status == "RUNNING"  # stranded until synced
+    b_id = read_manifest(latest_checkpoint(b_dir))["mlflow_run_id"]
+    assert c.get_run(b_id).info.status == "RUNNING"  # stranded until synced
+    assert steps(c, b_id, "loss") == [1, 2, 3]
     for d in (a_dir, b_dir):
         r = vitp("sync", str(d))
         assert r.returncode == 0, r.stderr
@@ -108,11 +124,12 @@ def test_stranded_runs_are_finished_by_vitp_sync(mlflow_server, tmp_path):
         again = vitp("sync", str(d))
         assert again.returncode == 0 and "nothing to sync" in again.stdout
     runs = {r.info.run_name: r for r in c.search_runs([c.get_experiment_by_name(exp).experiment_id])}
-    assert set(runs) == {"a", "b"}
-    assert steps(c, a.run_id, "loss") == list(range(1, 41))  # each step once
-    b = runs["b"]
-    assert steps(c, b.info.run_id, "loss") == list(range(1, 7))
-    assert b.info.status == "FINISHED" and b.info.end_time is not None
-    assert b.data.params["train.steps"] == "6" and b.data.tags["mlflow.source.name"] == "vitp pretrain"
-    assert {d.dataset.name for d in b.inputs.dataset_inputs} == {"synthetic/train", "synthetic/val"}
-    assert c.get_run(a.run_id).info.status == "FINISHED"
+    assert set(runs) == {"a", "b"} and runs["b"].info.run_id == b_id
+    assert steps(c, b_id, "loss") == list(range(1, 9))  # each step once
+    assert steps(c, runs["a"].info.run_id, "loss") == list(range(1, 41))
+    assert runs["a"].data.params == {"optim.lr": "0.1"}  # made by `vitp sync` from the spool
+    for run in runs.values():
+        assert run.info.status == "FINISHED"
+    # ended when the job ended, not when it was synced
+    assert (b_dir / "model.safetensors").stat().st_mtime * 1000 <= runs["b"].info.end_time < back * 1000
+    assert {d.dataset.name for d in runs["b"].inputs.dataset_inputs} == {"synthetic/train", "synthetic/val"}

@@ -264,7 +264,7 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, mlflow_server, capfd):
 
     exp = f"outage-{uuid.uuid4().hex[:12]}"  # the server's store outlives test sessions
     common = [f"tracking.uri={mlflow_server}", f"tracking.experiment={exp}", "tracking.enabled=true",
-              "tracking.flush_every_s=0.5"]
+              "tracking.flush_every_s=0.5", "tracking.close_timeout_s=2"]  # job A need not wait for the server
     run, gate = tmp_path / "run", tmp_path / "gate"
     hold = {"VITP_TEST_PAUSE_AT_STEP": "4", "VITP_TEST_PAUSE_FILE": str(gate)}
     rc = {}

@@ -84,6 +84,7 @@ class Tracker(NullTracker):
         self._pending: list[dict] = self._read_spool()  # ops in order: metric | artifact | tags
         self._queued, self._delivered = len(self._pending), 0  # flush waits for delivered >= queued
         self._client = None
+        self._rest = None  # host credentials when the store is a server: metrics go to its REST API
         self._down_since: float | None = None
         self._idle = threading.Event()
         self._wake = threading.Event()  # flush/close: deliver now rather than at the next tick
@@ -184,6 +185,10 @@ class Tracker(NullTracker):
 
         if self._client is None:
             self._client = MlflowClient(self.uri)
+            if self.uri.startswith(("http://", "https://")):
+                from mlflow.utils.credentials import get_default_host_creds
+
+                self._rest = get_default_host_creds(self.uri)  # auth and TLS settings, as the client's
         c = self._client
         if self.run_id is not None:
             if self._tags:
@@ -205,7 +210,7 @@ class Tracker(NullTracker):
         self.run_id = run.info.run_id
 
     def _deliver(self) -> None:
-        from mlflow.entities import Metric, RunTag
+        from mlflow.entities import RunTag
 
         while self._pending:
             op = self._pending[0]
@@ -215,8 +220,7 @@ class Tracker(NullTracker):
                 while (n < min(len(self._pending), _BATCH) and self._pending[n]["op"] == "metric"
                        and (self._pending[n].get("run_id") or self.run_id) == run_id):
                     n += 1
-                self._client.log_batch(run_id, metrics=[Metric(o["key"], o["value"], o["ts"], o["step"])
-                                                        for o in self._pending[:n]])
+                self._log_metrics(run_id, self._pending[:n])
             elif op["op"] == "artifact":
                 n = 1
                 if Path(op["path"]).exists():
@@ -229,6 +233,23 @@ class Tracker(NullTracker):
                 self._client.log_batch(run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()])
             del self._pending[:n]
             self._delivered += n
+
+    def _log_metrics(self, run_id: str, ops: list[dict]) -> None:
+        """One log_batch request. To a server, the JSON is written here and posted with mlflow's
+        http_request (its auth, TLS and timeout settings): MlflowClient.log_batch builds and validates
+        an entity and a protobuf message per metric first, 2.6x the CPU (8.2 vs 3.1 ms for 225
+        metrics), which at log_every=1 was most of what tracking cost the trainer (bench/tracking.py)."""
+        if self._rest is None:  # a local store (sqlite, file): only the client reaches it
+            from mlflow.entities import Metric
+
+            self._client.log_batch(run_id, metrics=[Metric(o["key"], o["value"], o["ts"], o["step"]) for o in ops])
+            return
+        from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+        endpoint = "/api/2.0/mlflow/runs/log-batch"
+        body = {"run_id": run_id, "metrics": [{"key": o["key"], "value": _json_double(o["value"]),
+                                               "timestamp": o["ts"], "step": o["step"]} for o in ops]}
+        verify_rest_response(http_request(self._rest, endpoint, "POST", json=body), endpoint)
 
     def _run(self) -> None:
         backoff = 0.5
@@ -256,6 +277,16 @@ class Tracker(NullTracker):
                 self._down_since = None
             backoff = 0.5
             self._idle.set()
+
+
+def _json_double(v: float) -> float | str:
+    """A double in proto3's JSON form: NaN and infinities as the strings the server parses (a diverged
+    loss must arrive as NaN, not fail the batch as invalid JSON)."""
+    if v != v:
+        return "NaN"
+    if v in (float("inf"), float("-inf")):
+        return "Infinity" if v > 0 else "-Infinity"
+    return v
 
 
 def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: int, stage: str,

@@ -69,3 +69,31 @@ def test_run_survives_server_restart(mlflow_server, tmp_path, monkeypatch):
         uri = mlflow_start()
     assert uri == mlflow_server
     _assert_run(mlflow_tracking.MlflowClient(tracking_uri=uri), run_id, tmp_path)
+
+
+@pytest.mark.mlflow_server
+def test_tracker_metrics_arrive_as_mlflows_client_sends_them(mlflow_server, tmp_path):
+    """The Tracker posts metric batches to the server's REST API itself (not through MlflowClient):
+    the server stores exactly what the client's log_batch stores (1/3 bit for bit, NaN, infinities)."""
+    from mlflow.entities import Metric
+
+    from pipeline.train.tracking import Tracker
+
+    exp = f"vitp-test-{uuid.uuid4().hex[:12]}"
+    t = Tracker(mlflow_server, experiment=exp, run_name="rest", spool_dir=tmp_path, flush_every_s=0.2)
+    values = [1 / 3, float("nan"), float("inf"), float("-inf"), 2.5]
+    for step, v in enumerate(values):
+        t.log_metrics({"train/loss": v}, step)
+    assert t.flush(30)
+    assert t._rest is not None  # the REST path was the one taken
+    t.close()
+    client = mlflow_tracking.MlflowClient(tracking_uri=mlflow_server)
+    ref = client.create_run(client.get_experiment_by_name(exp).experiment_id).info.run_id
+    client.log_batch(ref, metrics=[Metric("train/loss", v, 0, step) for step, v in enumerate(values)])
+
+    def history(run_id):
+        return sorted((m.step, "nan" if m.value != m.value else m.value)
+                      for m in client.get_metric_history(run_id, "train/loss"))
+
+    assert history(t.run_id) == history(ref)
+    assert [s for s, _ in history(ref)] == list(range(len(values))) and history(ref)[0][1] == 1 / 3

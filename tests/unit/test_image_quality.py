@@ -16,7 +16,7 @@ import pytest
 import simplejpeg
 from PIL import Image, ImageDraw, ImageFont
 
-from data_prep.images import ImageOptions, dct_numerator, process_image, target_size
+from data_prep.images import ImageOptions, dct_numerator, encode_jpeg, process_image, target_size
 from pipeline.data.augment import TrainTransform, _Source, decode_crop, inception_crop_box
 
 KINDS = ("stripes", "noise", "text")
@@ -59,8 +59,9 @@ def psnr(a: np.ndarray, ref: np.ndarray) -> float:
 
 
 def encoded(a: np.ndarray) -> np.ndarray:
-    """Through prep's encoder (q90, 4:2:0) and back: stored images are compared as stored."""
-    return simplejpeg.decode_jpeg(simplejpeg.encode_jpeg(a, quality=90, colorspace="RGB", colorsubsampling="420"))
+    """Through the encoder prep and img2dataset store with (OpenCV's, q90, 4:2:0) and back: stored
+    images are compared as stored."""
+    return simplejpeg.decode_jpeg(encode_jpeg(a, 90))
 
 
 @pytest.fixture(scope="module")

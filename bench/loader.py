@@ -2,15 +2,20 @@
 
 Same ~500×375 JPEGs, same worker count, train transform at 224 (inception crop + flip):
 
-  vitp          TrainLoader over WebDataset shards (uint8 out, normalised in the main process)
+  vitp          TrainLoader over WebDataset shards
   inmemory      the same decode+augment over bytes already in RAM (the ceiling: no tar I/O)
-  imagefolder   torchvision ImageFolder + DataLoader, the usual recipe (RandomResizedCrop, flip,
-                ToTensor, Normalize in the workers)
+  imagefolder   torchvision ImageFolder + DataLoader, the usual recipe (RandomResizedCrop, flip) with
+                PILToTensor in the workers
   timm_wds      timm's own WebDataset reader over the same shards + timm.data.create_loader
-                (same crop scale, flip, no colour jitter; uint8 collate, normalised in the main process)
+                (same crop scale, flip, no colour jitter; its uint8 fast_collate batches)
   vitp_1w       vitp with one worker, for the scaling ratio
   cpu_1p/cpu_Np the per-sample transform alone in 1 and in N (= --workers) plain processes, no loader:
                 what the machine itself gives for N processes of this work (context for 2w vs 1w)
+
+Every loader hands uint8 batches to one consumer in the main process, the same for all: normalise
+into one reused float buffer (`consume`), as a training step does on the device. (timm's own CPU
+prefetcher and the float ToTensor+Normalize recipe allocate a fresh float batch each step instead,
+~4,700 page faults a batch; that is the consumer's cost, not the loader's, so it is left out of all.)
 
 Each rep runs every pipeline once, in alternating order. A ratio is the median over reps of the
 ratio within each rep, so machine-speed drift between reps (±15% on a shared VM) cancels; the
@@ -152,8 +157,7 @@ def pipelines(root: Path, samples, batch: int, workers: int):
                                            worker_init_fn=_one_thread, collate_fn=_as_is)
 
     def folder():
-        tf = T.Compose([T.RandomResizedCrop(SIZE, scale=SCALE), T.RandomHorizontalFlip(), T.ToTensor(),
-                        T.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+        tf = T.Compose([T.RandomResizedCrop(SIZE, scale=SCALE), T.RandomHorizontalFlip(), T.PILToTensor()])
         ds = datasets.ImageFolder(str(root / "folder"), transform=tf)
         return torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, drop_last=True,
                                            worker_init_fn=_one_thread)
@@ -162,30 +166,41 @@ def pipelines(root: Path, samples, batch: int, workers: int):
         from timm.data import create_dataset, create_loader
 
         ds = create_dataset("wds/bench", root=str(root), split="train", is_training=True, batch_size=batch)
-        return create_loader(ds, input_size=(3, SIZE, SIZE), batch_size=batch, is_training=True, scale=SCALE,
-                             color_jitter=0.0, hflip=0.5, interpolation="bilinear", mean=(0.5,) * 3, std=(0.5,) * 3,
-                             num_workers=workers, device=torch.device("cpu"), use_prefetcher=True,
-                             persistent_workers=False)
+        loader = create_loader(ds, input_size=(3, SIZE, SIZE), batch_size=batch, is_training=True, scale=SCALE,
+                               color_jitter=0.0, hflip=0.5, interpolation="bilinear", mean=(0.5,) * 3,
+                               std=(0.5,) * 3, num_workers=workers, device=torch.device("cpu"),
+                               use_prefetcher=True, persistent_workers=False)
+        return loader.loader  # the DataLoader inside timm's PrefetchLoader: uint8 batches, for `consume`
 
     return {"vitp": vitp(workers), "inmemory": inmem, "imagefolder": folder, "timm_wds": timm_wds,
             "vitp_1w": vitp(1), "cpu_1p": lambda: PlainProcesses(samples, 1),
             f"cpu_{workers}p": lambda: PlainProcesses(samples, workers)}
 
 
+class Consumer:
+    """What the training loop does with each batch, the same for every loader: uint8 [B, 3, S, S] →
+    normalised float32 in one reused buffer (on a GPU the caching allocator hands back the same
+    block; on the CPU a fresh buffer per batch costs ~4,700 page faults)."""
+
+    def __init__(self):
+        self.buf = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.uint8:
+            raise TypeError(f"bench: a loader yielded {x.dtype} batches; every loader must hand over uint8")
+        if self.buf is None or self.buf.shape != x.shape:
+            self.buf = torch.empty(x.shape)
+        return normalize(x, out=self.buf)
+
+
 def measure(make) -> float:
-    """Images/s from the first batch to the end of one epoch (worker start-up excluded). Every uint8
-    pipeline's batch is normalised in the main process into one reused float buffer: the step a
-    training loop runs on the device, where the caching allocator hands back the same block (a fresh
-    host buffer per batch would add ~4,700 page faults per batch to the main process's share)."""
+    """Images/s from the first batch to the end of one epoch (worker start-up excluded)."""
     loader = make()
     if isinstance(loader, PlainProcesses):
         return loader.rate()
-    n, t0, buf = 0, None, None
+    n, t0, consume = 0, None, Consumer()
     for x, _ in loader:
-        if x.dtype == torch.uint8:
-            if buf is None or buf.shape != x.shape:
-                buf = torch.empty(x.shape)
-            x = normalize(x, out=buf)
+        x = consume(x)
         if t0 is None:
             t0 = time.perf_counter()
             continue

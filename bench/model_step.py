@@ -1,9 +1,16 @@
 """Train-step speed of vitp's ViT vs timm's VisionTransformer with the same config and weights.
 
-One step = forward + cross-entropy + backward + AdamW. Both models run in this process, alternating
-A/B (and swapping the order every round, so drift in a shared machine's load hits both alike);
-the ratio of the medians is printed as `ratio train_step_vs_timm_<config> VALUE` (vitp / timm, < 1
-is faster), the S/16 one also as the headline `ratio train_step_vs_timm`.
+One step = forward + cross-entropy + backward + AdamW. All models run in this process, interleaved
+(the order rotates every round, so drift in a shared machine's load hits each alike); ratios of the
+medians (vitp / timm, < 1 is faster):
+
+  ratio train_step_vs_timm_<config>            vitp as users run it: with the class-token head its last
+                                               block computes token 0 only (the logits and gradients
+                                               are the same; ~1/depth less work)
+  ratio train_step_vs_timm_same_work_<config>  vitp computing every token in every block, as timm does
+                                               (like for like: the speed of the same computation)
+
+and the S/16 ones also as the headlines `ratio train_step_vs_timm` and `..._same_work`.
 
     python bench/model_step.py                 # S/16 224 px batch 8 and a small config, 2 threads
     python bench/model_step.py --compile       # + torch.compile(vitp) vs eager vitp (small config)
@@ -39,6 +46,17 @@ def timm_twin(cfg: dict) -> torch.nn.Module:
         num_classes=cfg["num_classes"], global_pool="token")
 
 
+class AllTokens(torch.nn.Module):
+    """vitp's ViT with the last block computing every token, as timm's does (same logits)."""
+
+    def __init__(self, vit: torch.nn.Module):
+        super().__init__()
+        self.vit = vit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vit.forward_head(self.vit.forward_features(x, first_token_only=False))
+
+
 def make_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
 
@@ -54,26 +72,25 @@ def make_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
     return step
 
 
-def ab(step_a, step_b, steps: int, warmup: int) -> tuple[float, float, float]:
-    """Median wall seconds of A and B, interleaved ABBA... after `warmup` rounds of both, and the
-    ratio of median CPU seconds (a cross-check when the shared machine is oversubscribed)."""
+def interleaved(steps: dict, rounds: int, warmup: int) -> dict[str, tuple[float, float]]:
+    """name -> (median wall seconds, median CPU seconds) of one step, over ``rounds`` rounds that each
+    run every step once, in an order rotated by one every round, after ``warmup`` such rounds."""
+    names = list(steps)
     for _ in range(warmup):
-        step_a(), step_b()
-    ta, tb = [], []
-    for i in range(steps):
-        if i % 2 == 0:
-            ta.append(step_a()), tb.append(step_b())
-        else:
-            tb.append(step_b()), ta.append(step_a())
-    med = lambda ts, i: statistics.median(t[i] for t in ts)
-    return med(ta, 0), med(tb, 0), med(ta, 1) / med(tb, 1)
+        for n in names:
+            steps[n]()
+    times: dict[str, list] = {n: [] for n in names}
+    for i in range(rounds):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            times[n].append(steps[n]())
+    return {n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for n, ts in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per model (median)")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=11, help="timed rounds (median); every model runs once a round")
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(vitp)")
     ap.add_argument("--compile-config", default="small", choices=list(CONFIGS))
@@ -83,17 +100,32 @@ def main(argv: list[str] | None = None) -> None:
         cfg, batch = CONFIGS[name]
         torch.manual_seed(0)
         ours = build_vit(**cfg).train()
+        full = build_vit(**cfg).train()
+        full.load_state_dict(ours.state_dict())
+        full = AllTokens(full)
         ref = timm_twin(ours.config).train()
-        ref.load_state_dict(vitp_to_timm(ours.state_dict()))  # same weights, same work
+        ref.load_state_dict(vitp_to_timm(ours.state_dict()))  # same weights, same function
         x = torch.randn(batch, 3, cfg["img_size"], cfg["img_size"])
         y = torch.randint(0, cfg["num_classes"], (batch,))
-        t_ours, t_ref, cpu = ab(make_step(ours, x, y), make_step(ref, x, y), args.steps,
-                                args.warmup)
-        print(f"# {name}: vitp {t_ours * 1e3:.1f} ms  timm {t_ref * 1e3:.1f} ms  (batch {batch}, "
-              f"median of {args.steps}); cpu-time ratio {cpu:.3f}")
+        with torch.no_grad():  # the three compute the same logits: a ratio compares equal results
+            ours.head.weight.normal_()  # zero-initialised: make the check see the features
+            full.vit.head.weight.copy_(ours.head.weight)
+            ref.head.weight.copy_(ours.head.weight)
+            outs = [m(x) for m in (ours, full, ref)]
+            diff = max((o - outs[2]).abs().max().item() for o in outs[:2])
+        if diff > 1e-3 * outs[2].abs().max().item():
+            sys.exit(f"bench: vitp and timm logits differ by {diff:.2e}; the comparison would be unequal")
+        t = interleaved({"vitp": make_step(ours, x, y), "vitp_all_tokens": make_step(full, x, y),
+                         "timm": make_step(ref, x, y)}, args.steps, args.warmup)
+        (t_ours, c_ours), (t_full, c_full), (t_ref, c_ref) = t["vitp"], t["vitp_all_tokens"], t["timm"]
+        print(f"# {name}: vitp {t_ours * 1e3:.1f} ms  vitp all tokens {t_full * 1e3:.1f} ms  "
+              f"timm {t_ref * 1e3:.1f} ms (batch {batch}, median of {args.steps} rounds); "
+              f"cpu-time ratios {c_ours / c_ref:.3f}, same work {c_full / c_ref:.3f}; logits agree to {diff:.1e}")
         print(f"ratio train_step_vs_timm_{name} {t_ours / t_ref:.3f}")
+        print(f"ratio train_step_vs_timm_same_work_{name} {t_full / t_ref:.3f}")
         if name == "s16":
             print(f"ratio train_step_vs_timm {t_ours / t_ref:.3f}")
+            print(f"ratio train_step_vs_timm_same_work {t_full / t_ref:.3f}")
     if args.compile:
         cfg, batch = CONFIGS[args.compile_config]
         torch.manual_seed(0)
@@ -103,10 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         compiled = torch.compile(compiled)
         x = torch.randn(batch, 3, cfg["img_size"], cfg["img_size"])
         y = torch.randint(0, cfg["num_classes"], (batch,))
-        t_c, t_e, cpu = ab(make_step(compiled, x, y), make_step(eager, x, y), args.steps,
-                      max(args.warmup, 2))  # the first compiled steps include compilation
+        t = interleaved({"compiled": make_step(compiled, x, y), "eager": make_step(eager, x, y)}, args.steps,
+                        max(args.warmup, 2))  # the first compiled steps include compilation
+        (t_c, c_c), (t_e, c_e) = t["compiled"], t["eager"]
         print(f"# compile ({args.compile_config}): compiled {t_c * 1e3:.1f} ms  "
-              f"eager {t_e * 1e3:.1f} ms; cpu-time ratio {cpu:.3f}")
+              f"eager {t_e * 1e3:.1f} ms; cpu-time ratio {c_c / c_e:.3f}")
         print(f"ratio train_step_compiled_vs_eager {t_c / t_e:.3f}")
 
 

@@ -4,22 +4,28 @@ Data: ~2000 generated ImageNet-like JPEGs (500×375 / 375×500, smooth colour fi
 resized to shorter side 256 and re-encoded at q90.
 
 Ceiling: the bare work in a tight loop with the same worker count: read file → decode → resize
-(prep's resize_rgb) → encode, no tar, no json, no hashing, no planning. Codec options are timed first (one
-process each) to show why prep uses simplejpeg (DCT-scaled decode) + OpenCV (bilinear for the
-small reduction left after DCT scaling, area-averaging beyond 1.25x).
+(prep's own functions) → encode, no tar, no json, no hashing, no planning. Codec options are timed
+first (one process, interleaved image by image) beside their PSNR against a Lanczos resize of the
+full decode, to show why prep uses simplejpeg (DCT-scaled decode where it leaves a 2x reduction, an
+area resize of the full decode where it does not, as here) + OpenCV.
 
 Prints:
   ratio prep_vs_ceiling VALUE     (2 workers; goal >= 0.8)
   ratio prep_2w_vs_1w VALUE       (goal >= 1.7 on a machine with 2 free cores)
-  ratio codec_chosen_vs_pil VALUE (chosen codec path vs a plain Pillow loop, 1 process)
+  ratio codec_chosen_vs_pil VALUE (chosen codec path vs Pillow's fastest path here, draft + reduce)
 
 With ``--img2dataset BIN`` (img2dataset installed in a separate venv: ``make bench-img2dataset``
 builds one; it is never a vitp dependency), the peer comparison the issue sets: the same JPEGs
-served from loopback HTTP to img2dataset (2 processes, shorter side 256, JPEG q90, webdataset
-output) and read from disk by the ``vitp prep`` CLI (2 workers, same resize and quality), each timed
-as a subprocess for 1000 and for 4000 images; throughput at the margin = 3000 / (t4000 - t1000), so
-start-up does not decide it:
-  ratio prep_vs_img2dataset VALUE (goal >= 1.2)
+served over loopback HTTP to img2dataset (2 processes, shorter side 256, JPEG q90, webdataset
+output) and read from disk by the ``vitp prep`` CLI (2 workers, same resize and quality), each run
+as a subprocess for 1000 and for 4000 images; throughput at the margin = 3000 / (cost4000 - cost1000),
+so start-up does not decide it. The server runs in its own process on the same cores (there are no
+others to pin it to), so its CPU is measured (it answers /__cpu) and printed, and kept out of both
+tools' accounts: the headline counts each tool's own CPU seconds (all its processes); the wall-clock
+ratio, in which img2dataset also pays for the server, is printed beside it. Both tools' stored images
+are then scored against a Lanczos resize of the source, to show that they are of equal quality:
+  ratio prep_vs_img2dataset VALUE       (CPU seconds per image at the margin; goal >= 1.2)
+  ratio prep_vs_img2dataset_wall VALUE
 
 Usage: python bench/prep.py [--quick] [--images N] [--repeats R] [--img2dataset BIN]
 """
@@ -37,12 +43,13 @@ import resource
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
-import threading
 import time
+import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-from multiprocessing import get_context
+from multiprocessing import Process, get_context
 from pathlib import Path
 
 import cv2
@@ -52,7 +59,14 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data_prep import prep  # noqa: E402
-from data_prep.images import ImageOptions, resize_rgb, target_size  # noqa: E402
+from data_prep.images import (  # noqa: E402
+    ImageOptions,
+    dct_numerator,
+    decode_jpeg_scaled,
+    encode_jpeg,
+    resize_region,
+    target_size,
+)
 
 SHORTER, QUALITY = 256, 90
 
@@ -103,28 +117,55 @@ def pil_draft_reduce(data: bytes) -> bytes:
 
 
 def cv2_area(data: bytes) -> bytes:
-    # img2dataset's path: imdecode (at 1/2 scale only when that stays >= target) + INTER_AREA + imencode
-    w, h = simplejpeg.decode_jpeg_header(data)[:2][::-1]
-    size = _size(w, h)
-    flag = cv2.IMREAD_REDUCED_COLOR_2 if min(w, h) // 2 >= SHORTER else cv2.IMREAD_COLOR
-    a = cv2.imdecode(np.frombuffer(data, np.uint8), flag)
-    a = cv2.resize(a, size, interpolation=cv2.INTER_AREA)
+    # img2dataset's path: cv2.imdecode in full + INTER_AREA (albumentations SmallestMaxSize) + imencode
+    a = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    a = cv2.resize(a, _size(a.shape[1], a.shape[0]), interpolation=cv2.INTER_AREA)
     return cv2.imencode(".jpg", a, [cv2.IMWRITE_JPEG_QUALITY, QUALITY])[1].tobytes()
 
 
-def simplejpeg_scaled(data: bytes) -> bytes:
-    """The path prep uses for RGB JPEGs."""
+def chosen(data: bytes) -> bytes:
+    """The path prep uses for RGB JPEGs (data_prep.images.process_image): simplejpeg's decode at a
+    DCT scale when one leaves a 2x reduction, OpenCV's resize and encoder."""
     h, w = simplejpeg.decode_jpeg_header(data)[:2]
     size = _size(w, h)
-    a = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=size[0], min_height=size[1])
-    a = resize_rgb(a, size)
-    return simplejpeg.encode_jpeg(a, quality=QUALITY, colorspace="RGB", colorsubsampling="420")
+    n = dct_numerator(w, h, *size, w, h)
+    return encode_jpeg(resize_region(decode_jpeg_scaled(data, w, h, n), n, (0, 0, w, h), size), QUALITY)
+
+
+CODECS = (pil_plain, pil_draft_reduce, cv2_area, chosen)
+
+
+def _psnr(data: bytes, ref: np.ndarray) -> float:
+    a = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float64)
+    return float(10 * np.log10(255.0 ** 2 / np.mean((a - ref) ** 2)))
+
+
+def lanczos_ref(data: bytes, size: tuple[int, int]) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB").resize(size, Image.LANCZOS), dtype=np.float64)
+
+
+def codecs(blobs: list[bytes]) -> dict[str, float]:
+    """Images/s of each codec path, interleaved image by image (the order rotates), so load from other
+    users hits all alike; prints each with its mean PSNR against a Lanczos resize of the full decode."""
+    spent = {fn.__name__: 0.0 for fn in CODECS}
+    for fn in CODECS:
+        fn(blobs[0])
+    for i, b in enumerate(blobs):
+        for fn in CODECS[i % len(CODECS):] + CODECS[:i % len(CODECS)]:
+            t0 = time.perf_counter()
+            fn(b)
+            spent[fn.__name__] += time.perf_counter() - t0
+    for fn in CODECS:
+        q = np.mean([_psnr(fn(b), lanczos_ref(b, _size(*Image.open(io.BytesIO(b)).size))) for b in blobs[:40]])
+        print(f"# codec {fn.__name__:18s} {len(blobs) / spent[fn.__name__]:7.1f} img/s (1 process), "
+              f"PSNR vs Lanczos {q:.2f} dB", flush=True)
+    return {k: len(blobs) / v for k, v in spent.items()}
 
 
 def _ceiling_chunk(paths: list[str]) -> int:
     for p in paths:
         with open(p, "rb") as f:
-            simplejpeg_scaled(f.read())
+            chosen(f.read())
     return len(paths)
 
 
@@ -168,54 +209,116 @@ def run_prep(src: Path, scratch: Path, workers: int) -> int:
 
 # --- the peer: img2dataset over loopback HTTP, vs the vitp prep CLI, at the margin ---------------------
 
-class _QuietHandler(SimpleHTTPRequestHandler):
+class _Handler(SimpleHTTPRequestHandler):
+    def do_GET(self) -> None:
+        if self.path != "/__cpu":
+            return super().do_GET()
+        body = f"{time.process_time():.6f}".encode()  # this server process's CPU seconds, all threads
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, *args) -> None:
         pass
 
 
-def _serve(root: Path) -> tuple[ThreadingHTTPServer, str]:
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(root)))
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+class Server:
+    """A loopback file server in its own process, whose CPU time can be read (``cpu()``)."""
+
+    def __init__(self, root: Path):
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(root)))
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        self.proc = Process(target=self.srv.serve_forever, daemon=True)  # fork: the bound socket goes along
+        self.proc.start()
+
+    def cpu(self) -> float:
+        with urllib.request.urlopen(f"{self.url}/__cpu", timeout=30) as r:
+            return float(r.read())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.join()
+        self.srv.server_close()
 
 
-def _timed(cmd: list[str]) -> float:
-    t0 = time.perf_counter()
+def _timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the command and all its processes) of a subprocess."""
+    t0, c0 = time.perf_counter(), _children_cpu()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
                        env=dict(os.environ, NO_ALBUMENTATIONS_UPDATE="1"))
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, _children_cpu() - c0
     if r.returncode:
         sys.exit(f"bench: {cmd[0]} failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-1:]}")
-    return dt
+    return dt, dc
 
 
-def img2dataset_run(bin_: str, urls: Path, out: Path, workers: int) -> tuple[float, int]:
-    """(wall seconds, images written) for img2dataset over the URL list."""
+def _children_cpu() -> float:
+    # every process the command started is reaped before it returns, so all of them are in here
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ch.ru_utime + ch.ru_stime
+
+
+def img2dataset_run(bin_: str, urls: Path, out: Path, workers: int) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, images written) for img2dataset over the URL list."""
     shutil.rmtree(out, ignore_errors=True)
-    dt = _timed([bin_, "--url_list", str(urls), "--input_format", "txt", "--output_format", "webdataset",
-                 "--output_folder", str(out), "--processes_count", str(workers), "--thread_count", "32",
-                 "--image_size", str(SHORTER), "--resize_mode", "keep_ratio", "--resize_only_if_bigger", "True",
-                 "--encode_format", "jpg", "--encode_quality", str(QUALITY), "--number_sample_per_shard", "500",
-                 "--distributor", "multiprocessing", "--timeout", "30", "--retries", "0", "--enable_wandb", "False"])
+    dt, dc = _timed([bin_, "--url_list", str(urls), "--input_format", "txt", "--output_format", "webdataset",
+                     "--output_folder", str(out), "--processes_count", str(workers), "--thread_count", "32",
+                     "--image_size", str(SHORTER), "--resize_mode", "keep_ratio", "--resize_only_if_bigger",
+                     "True", "--encode_format", "jpg", "--encode_quality", str(QUALITY),
+                     "--number_sample_per_shard", "500", "--distributor", "multiprocessing", "--timeout", "30",
+                     "--retries", "0", "--enable_wandb", "False"])
     ok = sum(json.loads(Path(f).read_text())["successes"] for f in glob.glob(str(out / "*_stats.json")))
-    return dt, ok
+    return dt, dc, ok
 
 
-def vitp_cli_run(manifest: Path, out: Path, workers: int) -> tuple[float, int]:
-    """(wall seconds, images written) for `vitp prep MANIFEST OUT` as a user runs it."""
+def vitp_cli_run(manifest: Path, out: Path, workers: int) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, images written) for `vitp prep MANIFEST OUT` as a user runs it."""
     shutil.rmtree(out, ignore_errors=True)
-    dt = _timed([sys.executable, "-m", "launch.cli", "prep", str(manifest), str(out), "--workers", str(workers),
-                 "--resize-shorter", str(SHORTER), "--quality", str(QUALITY), "--max-samples-per-shard", "500",
-                 "--no-progress"])
+    dt, dc = _timed([sys.executable, "-m", "launch.cli", "prep", str(manifest), str(out), "--workers",
+                     str(workers), "--resize-shorter", str(SHORTER), "--quality", str(QUALITY),
+                     "--max-samples-per-shard", "500", "--no-progress"])
     info = json.loads((out / "_info.json").read_text())
-    return dt, sum(s["num_samples"] for s in info["splits"].values())
+    return dt, dc, sum(s["num_samples"] for s in info["splits"].values())
+
+
+def stored_images(out: Path, base: str) -> dict[str, bytes]:
+    """Source path (relative to the served root) → stored JPEG bytes, from either tool's tar shards."""
+    found: dict[str, bytes] = {}
+    for shard in sorted(glob.glob(str(out / "**" / "*.tar"), recursive=True)):
+        with tarfile.open(shard) as tar:
+            members: dict[str, dict[str, bytes]] = {}
+            for m in tar.getmembers():
+                if m.isfile():
+                    key, ext = m.name.rsplit(".", 1)
+                    members.setdefault(key, {})[ext] = tar.extractfile(m).read()
+        for parts in members.values():
+            meta = json.loads(parts["json"])
+            src = meta.get("source") or meta["url"][len(base) + 1:]  # vitp: "source"; img2dataset: "url"
+            found[src] = parts["jpg"]
+    return found
+
+
+def quality(src: Path, outs: dict[str, Path], base: str, n: int = 150) -> dict[str, float]:
+    """Mean PSNR of each tool's stored images against a Lanczos resize of the source, over the same n."""
+    stored = {tool: stored_images(out, base) for tool, out in outs.items()}
+    common = sorted(set.intersection(*(set(v) for v in stored.values())))[:n]
+    scores = {tool: [] for tool in outs}
+    for rel in common:
+        data = (src / rel).read_bytes()
+        for tool in outs:
+            im = Image.open(io.BytesIO(stored[tool][rel]))
+            scores[tool].append(_psnr(stored[tool][rel], lanczos_ref(data, im.size)))
+    return {tool: float(np.mean(v)) for tool, v in scores.items()} | {"n": len(common)}
 
 
 def versus_img2dataset(bin_: str, scratch: Path, workers: int = 2, small: int = 1000, large: int = 4000,
-                       repeats: int = 2) -> float:
+                       repeats: int = 2) -> tuple[float, float]:
+    """(CPU ratio, wall ratio) of vitp prep over img2dataset at the margin."""
     src = scratch / "peer_images"
     paths = make_dataset(src, large, seed=1)
-    srv, base = _serve(src)
+    srv = Server(src)
+    base = srv.url
     try:
         lists = {}
         for n in (small, large):
@@ -226,24 +329,35 @@ def versus_img2dataset(bin_: str, scratch: Path, workers: int = 2, small: int = 
                 w.writerow(["path", "label"])
                 w.writerows((r, r.split("/")[0]) for r in rel)
             lists[n] = (scratch / f"urls_{n}.txt", src / f"manifest_{n}.csv")
-        best: dict[tuple[str, int], float] = {}
-        for rep in range(repeats):  # alternate the tools; keep each one's best time per size
+        best: dict[tuple[str, int, str], float] = {}
+        outs = {"vitp": scratch / "peer_vitp", "img2dataset": scratch / "peer_i2d"}
+        for rep in range(repeats):  # alternate the tools; keep each one's best per size
             for n in (small, large):
                 for tool in (("img2dataset", "vitp") if rep % 2 == 0 else ("vitp", "img2dataset")):
+                    s0 = srv.cpu()
                     if tool == "vitp":
-                        dt, ok = vitp_cli_run(lists[n][1], scratch / "peer_vitp", workers)
+                        dt, dc, ok = vitp_cli_run(lists[n][1], outs[tool], workers)
                     else:
-                        dt, ok = img2dataset_run(bin_, lists[n][0], scratch / "peer_i2d", workers)
+                        dt, dc, ok = img2dataset_run(bin_, lists[n][0], outs[tool], workers)
+                    served = srv.cpu() - s0
                     if ok != n:
                         sys.exit(f"bench: {tool} wrote {ok} of {n} images")
-                    best[tool, n] = min(best.get((tool, n), float("inf")), dt)
-                    print(f"# {tool:11s} {n:5d} images: {dt:6.1f}s ({n / dt:.0f} img/s overall)", flush=True)
+                    for k, v in (("wall", dt), ("cpu", dc)):
+                        best[tool, n, k] = min(best.get((tool, n, k), float("inf")), v)
+                    print(f"# {tool:11s} {n:5d} images: {dt:6.1f}s wall ({n / dt:.0f} img/s), {dc:6.1f} CPU-s "
+                          f"({n / dc:.0f} img per CPU-s); server {served:5.1f} CPU-s", flush=True)
     finally:
-        srv.shutdown()
-    margin = {t: (large - small) / (best[t, large] - best[t, small]) for t in ("vitp", "img2dataset")}
-    for t, v in margin.items():
-        print(f"# {t} at the margin ({large} - {small} images, {workers} processes): {v:.0f} img/s")
-    return margin["vitp"] / margin["img2dataset"]
+        srv.close()
+    q = quality(src, outs, base)  # the last run's outputs: the large set, both tools
+    print(f"# stored images vs Lanczos of the source, mean over the same {q['n']}: vitp {q['vitp']:.2f} dB, "
+          f"img2dataset {q['img2dataset']:.2f} dB")
+    margin = {(t, k): (large - small) / (best[t, large, k] - best[t, small, k])
+              for t in ("vitp", "img2dataset") for k in ("wall", "cpu")}
+    for t in ("vitp", "img2dataset"):
+        print(f"# {t} at the margin ({large} - {small} images, {workers} processes): "
+              f"{margin[t, 'wall']:.0f} img/s wall, {margin[t, 'cpu']:.0f} img per CPU-s")
+    return (margin["vitp", "cpu"] / margin["img2dataset", "cpu"],
+            margin["vitp", "wall"] / margin["img2dataset", "wall"])
 
 
 def main() -> None:
@@ -259,8 +373,9 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="vitp-bench-prep-"))
     try:
         if args.img2dataset:
-            ratio = versus_img2dataset(args.img2dataset, scratch, repeats=args.repeats)
-            print(f"ratio prep_vs_img2dataset {ratio:.3f}", flush=True)
+            cpu_ratio, wall_ratio = versus_img2dataset(args.img2dataset, scratch, repeats=args.repeats)
+            print(f"ratio prep_vs_img2dataset {cpu_ratio:.3f}", flush=True)
+            print(f"ratio prep_vs_img2dataset_wall {wall_ratio:.3f}", flush=True)
             if args.only_img2dataset:
                 return
         src = scratch / "images"
@@ -270,14 +385,7 @@ def main() -> None:
         print(f"# {n} JPEGs, mean {mean_kb:.0f} KiB, generated in {time.perf_counter() - t0:.1f}s", flush=True)
 
         blobs = [open(p, "rb").read() for p in paths[:200]]
-        codec = {}
-        for fn in (pil_plain, pil_draft_reduce, cv2_area, simplejpeg_scaled):
-            fn(blobs[0])
-            t0 = time.perf_counter()
-            for b in blobs:
-                fn(b)
-            codec[fn.__name__] = len(blobs) / (time.perf_counter() - t0)
-            print(f"# codec {fn.__name__:18s} {codec[fn.__name__]:7.1f} img/s (1 process)", flush=True)
+        codec = codecs(blobs)
 
         best: dict[str, float] = {}
         cpu: dict[str, float] = {}
@@ -294,7 +402,9 @@ def main() -> None:
         print(f"ratio prep_vs_ceiling_cpu {cpu['prep2'] / cpu['ceil2']:.3f}")
         print(f"ratio prep_2w_vs_1w {best['prep2'] / best['prep1']:.3f}")
         print(f"# cores free (1 - load/cores) at end: {1 - os.getloadavg()[0] / os.cpu_count():.2f}")
-        print(f"ratio codec_chosen_vs_pil {codec['simplejpeg_scaled'] / codec['pil_plain']:.3f}")
+        print(f"# codec_chosen_vs_pil_plain {codec['chosen'] / codec['pil_plain']:.3f}, "
+              f"codec_chosen_vs_cv2_area (img2dataset's) {codec['chosen'] / codec['cv2_area']:.3f}")
+        print(f"ratio codec_chosen_vs_pil {codec['chosen'] / codec['pil_draft_reduce']:.3f}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -4,13 +4,13 @@ Every random choice a train transform makes is drawn from the integer ``seed`` i
 a sample's augmentation depends only on (run seed, epoch, rank, stream, position) and not on what the
 process did before; the loader can then resume by skipping raw samples without decoding them.
 
-Decode and resize (measured per ~500×375 JPEG, one core, train crop at 224; bench/loader.py):
-the crop box is chosen from the header alone, then libjpeg-turbo (simplejpeg) decodes at the
-smallest of its n/8 DCT scales that keeps the crop ≥ the output size — an exact low-pass that
-leaves at most a ~9/8 reduction — and OpenCV resizes the crop bilinearly (area-averaged when the
-remaining reduction is larger, e.g. PNGs). ≈0.65 ms against ≈1.35 ms for Pillow's decode + crop +
-antialiased resize, which is what torchvision's and timm's RandomResizedCrop do. Anything that is not a
-plain YCbCr/grey/RGB JPEG (PNG, WebP, CMYK, ...) is decoded by Pillow.
+Decode and resize (bench/loader.py): the crop box is chosen from the header alone, then
+libjpeg-turbo (simplejpeg) decodes at one of its n/8 DCT scales that still leaves the crop a 2x
+reduction to the output size, and Pillow's antialiased bilinear resize finishes it from the exact
+(fractional) box; when no scale leaves 2x, a full decode and OpenCV's area average (bilinear when
+enlarging). data_prep.images.dct_numerator says why: the DCT scales alone alias fine texture.
+tests/unit/test_image_quality.py holds the crops to a full decode + area resize. Anything that is not
+a plain YCbCr/grey/RGB JPEG (PNG, WebP, CMYK, ...) is decoded by Pillow at full size.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from torch.utils.data import default_collate
 
-from data_prep.images import resize_rgb
+from data_prep.images import dct_numerator, decode_jpeg_scaled, resize_region
 
 cv2.setNumThreads(1)  # per-sample work in loader workers: OpenCV's own threads only fight them
 
@@ -37,8 +37,8 @@ class DecodeError(ValueError):
 
 
 class _Source:
-    """An encoded image: its size from the header, and a decode to RGB uint8 [H, W, 3] at a
-    reduced scale that stays ≥ a wanted size (JPEG DCT scaling) or at full size (other formats)."""
+    """An encoded image: its size from the header, and a decode to RGB uint8 [H, W, 3], at a DCT
+    scale n/8 (``scalable``: plain JPEGs) or at full size (other formats; n is then ignored)."""
 
     __slots__ = ("data", "w", "h", "_pil")
 
@@ -58,30 +58,35 @@ class _Source:
             raise DecodeError(f"cannot identify image: {e}") from None
         self.w, self.h = self._pil.size
 
-    def decode(self, want_w: int = 0, want_h: int = 0) -> np.ndarray:
+    @property
+    def scalable(self) -> bool:
+        return self._pil is None
+
+    def scale_for(self, box_w: int, box_h: int, out_w: int, out_h: int) -> int:
+        """n of the n/8 decode scale for resizing a box_w x box_h region to out_w x out_h."""
+        return dct_numerator(box_w, box_h, out_w, out_h, self.w, self.h) if self.scalable else 8
+
+    def decode(self, n: int = 8) -> np.ndarray:
         if self._pil is None:
             try:
-                return simplejpeg.decode_jpeg(self.data, colorspace="RGB", min_width=max(1, want_w),
-                                              min_height=max(1, want_h))
+                return decode_jpeg_scaled(self.data, self.w, self.h, n)
             except ValueError as e:  # corrupt or truncated (strict: libjpeg warnings are errors too)
                 raise DecodeError(f"cannot decode image: {e}") from None
         im = self._pil
         try:
-            if im.format == "JPEG" and want_w and want_h:
-                im.draft("RGB", (want_w, want_h))  # CMYK/YCCK JPEGs: Pillow's 1/2, 1/4, 1/8 scaling
             im.load()  # forces the (possibly truncated) decode
             return np.asarray(im if im.mode == "RGB" else im.convert("RGB"))
         except Exception as e:
             raise DecodeError(f"cannot decode image: {e}") from None
 
 
-def resize_box(a: np.ndarray, box: tuple[float, float, float, float], out_w: int, out_h: int,
-               cubic: bool = False) -> np.ndarray:
-    """The ``box`` (left, top, right, bottom, in ``a``'s pixels) of uint8 [H, W, 3] → [out_h, out_w, 3],
-    resized as prep does (bilinear or bicubic up to a 1.25x reduction, area-averaged beyond)."""
-    x0, y0 = max(0, int(round(box[0]))), max(0, int(round(box[1])))
-    x1, y1 = min(a.shape[1], max(x0 + 1, int(round(box[2])))), min(a.shape[0], max(y0 + 1, int(round(box[3]))))
-    return resize_rgb(a[y0:y1, x0:x1], (out_w, out_h), cubic)
+def decode_crop(src: _Source, box: tuple[int, int, int, int], out_w: int, out_h: int,
+                cubic: bool = False) -> np.ndarray:
+    """The crop ``box`` = (left, top, width, height) of ``src`` → uint8 [out_h, out_w, 3], decoded at
+    the DCT scale that leaves the crop a >= 2x reduction (full size when none does)."""
+    x, y, cw, ch = box
+    n = src.scale_for(cw, ch, out_w, out_h)
+    return resize_region(src.decode(n), n, (x, y, x + cw, y + ch), (out_w, out_h), cubic)
 
 
 def _chw(a: np.ndarray) -> torch.Tensor:
@@ -146,11 +151,8 @@ class TrainTransform:
         rng = random.Random(seed)
         src = _Source(data)
         w, h, s = src.w, src.h, self.size
-        x, y, cw, ch = inception_crop_box(w, h, rng, self.scale)
-        # the crop box is known before decoding: decode at the smallest scale that keeps it >= S x S
-        a = src.decode(math.ceil(w * s / cw), math.ceil(h * s / ch))
-        fx, fy = a.shape[1] / w, a.shape[0] / h
-        a = resize_box(a, (x * fx, y * fy, (x + cw) * fx, (y + ch) * fy), s, s)
+        # the crop box is known before decoding, so the decode can be reduced to what the crop needs
+        a = decode_crop(src, inception_crop_box(w, h, rng, self.scale), s, s)
         if self.hflip and rng.random() < 0.5:
             a = a[:, ::-1]
         if self.ra is not None:
@@ -180,12 +182,10 @@ class EvalTransform:
         src = _Source(data)
         w, h, s = src.w, src.h, self.size
         if self.crop_pct >= 1.0:
-            a = src.decode(s, s)
-            return _chw(resize_box(a, (0, 0, a.shape[1], a.shape[0]), s, s, cubic=True))
+            return _chw(decode_crop(src, (0, 0, w, h), s, s, cubic=True))
         short = int(math.floor(s / self.crop_pct))
         tw, th = (short, max(short, round(h * short / w))) if w <= h else (max(short, round(w * short / h)), short)
-        a = src.decode(tw, th)
-        a = resize_box(a, (0, 0, a.shape[1], a.shape[0]), tw, th, cubic=True)
+        a = decode_crop(src, (0, 0, w, h), tw, th, cubic=True)
         left, top = (tw - s) // 2, (th - s) // 2
         return _chw(a[top:top + s, left:left + s])
 

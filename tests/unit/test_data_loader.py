@@ -276,7 +276,7 @@ def _pil_reference(data: bytes, box, size: int, flip: bool, resample) -> torch.T
 @pytest.mark.parametrize("fmt,mode", [("JPEG", "RGB"), ("JPEG", "L"), ("JPEG", "CMYK"), ("PNG", "RGBA"),
                                       ("PNG", "P")])
 def test_fast_train_decode_matches_pillow_reference(fmt, mode):
-    """The DCT-scaled decode + OpenCV resize equals the full-decode Pillow pipeline up to resampling
+    """The reduced (DCT-scaled) decode + resize equals the full-decode Pillow pipeline up to resampling
     noise, for every crop size (a reduction by up to 8x, and enlargements)."""
     data = _photo(seed=3, mode=mode, fmt=fmt)
     tf = TrainTransform(96, (0.02, 1.0), hflip=True)

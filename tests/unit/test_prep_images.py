@@ -100,7 +100,7 @@ def test_resize_shrinks_only_and_keeps_originals_when_allowed(tmp_path):
 
 
 def test_reduced_decode_keeps_quality(tmp_path):
-    """DCT-domain downscaling then area resize stays close to a full-size decode + Lanczos reference."""
+    """DCT-domain downscaling then the resize stays close to a full-size decode + Lanczos reference."""
     a = natural_image(np.random.default_rng(3), 1200, 900)
     p = tmp_path / "x.jpg"
     p.write_bytes(jpeg_bytes(a, quality=95))

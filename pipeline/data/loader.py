@@ -24,9 +24,11 @@ Batches go out as uint8; the training loop normalises on the device::
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import math
+import multiprocessing.util  # noqa: F401  (its exit handler is registered before ours, so ours runs first)
 import os
 import signal
 import warnings
@@ -130,6 +132,22 @@ def _init_worker(_):
     # workers still end with their loader, or with the main process (torch's parent watchdog), or by KILL.
     for sig in (signal.SIGTERM, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)
+
+
+def _kill_workers_at_exit() -> None:
+    """At interpreter exit multiprocessing terminates (SIGTERM) its daemonic children, loader workers
+    among them, and then joins them: workers that ignore TERM would be waited for forever whenever a
+    loader was not shut down before exit (its iterator in a reference cycle no collection freed yet,
+    a stage leaving by an exception). So they get KILL instead, the same end. Registered after
+    multiprocessing's own exit handler, so it runs first."""
+    workers = [p for p in multiprocessing.active_children() if p.daemon]
+    if workers:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report each as a crash
+    for p in workers:
+        p.kill()
+
+
+atexit.register(_kill_workers_at_exit)
 
 
 def _as_is(x):  # collate_fn: batches are made in the workers; keep numpy arrays numpy on the way

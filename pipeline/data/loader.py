@@ -59,6 +59,7 @@ from .shards import (  # re-exported: callers import the dataset API from here
     _read_shard,
     _segments,
     _stop,
+    info_file,
     read_info,
 )
 from .synthetic import is_synthetic
@@ -90,9 +91,7 @@ def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None
         where = f"data.path {path}"
         has = {k: sp.num_samples for k, sp in synthetic_info(str(path)).splits.items()}
     else:
-        f = Path(path) / "_info.json"
-        if not f.is_file():
-            raise DataError(f"data.path: {f} not found (not a `vitp prep` output, or prep not finished)")
+        f = info_file(path)
         try:
             raw = json.loads(f.read_text(encoding="utf-8"))
             has = {str(k): len((sp or {}).get("filenames") or ()) for k, sp in (raw.get("splits") or {}).items()}

@@ -64,15 +64,21 @@ def _is_url(s: str) -> bool:
     return "://" in s or s.startswith("pipe:")
 
 
+def info_file(path: str | os.PathLike) -> Path:
+    """``<path>/_info.json``, or a DataError saying the folder is not (yet) a prep output."""
+    f = Path(path) / "_info.json"
+    if not f.is_file():
+        raise DataError(f"{f}: not found (is data.path a `vitp prep` output folder, and did prep finish?)")
+    return f
+
+
 def read_info(path: str | os.PathLike) -> Info:
     """Read ``<path>/_info.json`` (+ ``classes.json`` if the info has no class list) and check that
     every local shard it names exists."""
     root = str(path)
     if _is_url(root):
         raise DataError(f"data.path: {root!r}: remote datasets need a local _info.json copy; give its folder")
-    f = Path(root) / "_info.json"
-    if not f.is_file():
-        raise DataError(f"{f}: not found (is data.path a `vitp prep` output folder, and did prep finish?)")
+    f = info_file(root)
     try:
         text = f.read_text(encoding="utf-8")
         raw = json.loads(text)

@@ -290,7 +290,7 @@ def test_bad_submissions_fail_before_sbatch(cluster, tmp_path):
     cases = {
         "cluster.partition: unknown partition 'nope'": [f"data.path={data}", "cluster.partition=nope"],
         "cluster.nodes: must be >= 1; got 0": [f"data.path={data}", "cluster.nodes=0"],
-        "_info.json not found": [f"data.path={tmp_path / 'missing'}"],
+        "_info.json: not found": [f"data.path={tmp_path / 'missing'}"],
         "data.val_split: 'val' not in": [f"data.path={fake_data(tmp_path / 'noval')}"],
     }
     for expect, extra in cases.items():

@@ -113,7 +113,7 @@ def test_check_splits_names_key_file_and_remedy(tmp_path):
     (tmp_path / "_info.json").write_text(json.dumps(info))
     with pytest.raises(DataError, match="^data.val_split: 'val' in .*_info.json is empty; re-run vitp prep"):
         check_splits(tmp_path, {"data.val_split": "val"})
-    with pytest.raises(DataError, match=r"^data.path: .*nowhere/_info.json not found"):
+    with pytest.raises(DataError, match=r"^.*nowhere/_info.json: not found \(is data.path a `vitp prep` output folder"):
         check_splits(tmp_path / "nowhere", {"data.train_split": "train"})
     check_splits("synthetic:val=4", {"data.train_split": "train", "data.val_split": "val"})
     with pytest.raises(DataError, match=r"^data.val_split: 'val' not in data.path synthetic:val=0 \(has: train\)"):

@@ -164,7 +164,7 @@ def test_check_data(tmp_path, capsys):
 
     with pytest.raises(SubmitError, match="data.path: empty"):
         check_data(cfg(), "pretrain")
-    with pytest.raises(SubmitError, match=r"_info.json not found"):
+    with pytest.raises(SubmitError, match=r"_info.json: not found"):
         check_data(cfg(f"data.path={tmp_path}"), "pretrain")
     (tmp_path / "_info.json").write_text(json.dumps({"splits": {"train": {"filenames": ["a.tar"]}}}))
     # the shipped recipes evaluate on 'val': a dataset without it fails here, not at the end of training

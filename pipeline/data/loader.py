@@ -33,7 +33,6 @@ import os
 import signal
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch

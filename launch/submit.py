@@ -209,6 +209,19 @@ def make_executor(cfg, cluster: str):
     return ex
 
 
+def same_job(cfgs: list, sets: list[list[str]]) -> None:
+    """A sweep is one job array, and an array has one set of sbatch parameters: a sweep point that
+    changes them (cluster.nodes, say) would run with the first point's; refuse it, naming the key."""
+    first = slurm_parameters(cfgs[0])
+    for c, s in zip(cfgs[1:], sets[1:]):
+        p = slurm_parameters(c)
+        for key in sorted(set(first) | set(p)):
+            if first.get(key) != p.get(key):
+                raise SubmitError(f"--sweep: point {' '.join(s)!r} changes the job's {key} ({first.get(key)!r} -> "
+                                  f"{p.get(key)!r}); an array job has one set of sbatch parameters, submit it "
+                                  "separately")
+
+
 def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, extra: dict | None = None) -> list[dict]:
     """Submit one job (one call) or one array (several); write each job's resolved config; index them."""
     from pipeline.config import write_resolved
@@ -395,8 +408,9 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
                     envs.append({"VITP_MLFLOW_TAGS": json.dumps(tags, sort_keys=True)})
             for c in cfgs:
                 check_data(c, stage)
+            same_job(cfgs, sets)
             if args.dry_run:
-                print(json.dumps(slurm_parameters(base), indent=1, sort_keys=True))
+                print(json.dumps(slurm_parameters(cfgs[0]), indent=1, sort_keys=True))
                 return 0
             calls = [StageJob(stage, _cfg_dict(c), env=e, target=target) for c, e in zip(cfgs, envs)]
     except (ConfigError, SubmitError, FileNotFoundError) as e:

@@ -103,6 +103,11 @@ def test_dry_run_checks_every_sweep_task_prints_sbatch_parameters_and_submits_no
     err = capsys.readouterr().err
     assert err.startswith("error: train.global_batch: 32 is not divisible") and len(err.splitlines()) == 1
     assert not jobs.exists() and not run.exists()  # no index, no job folder, no run dir
+    # an array shares one set of sbatch parameters: a point that changes them is refused, by name
+    assert submit_main([*SUBMIT, *where, "--dry-run", "--sweep", "cluster.time_min=30,60"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: --sweep: point 'cluster.time_min=60' changes the job's timeout_min (30 -> 60); an array "
+                   "job has one set of sbatch parameters, submit it separately\n")
 
 
 def record_stage(cfg) -> dict:

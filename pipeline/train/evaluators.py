@@ -26,7 +26,7 @@ deterministic) while a rank's share fits ``CACHE_BYTES``; beyond that they are r
 Which steps are done is read from the run's log: a step is evaluated once, after that step's
 checkpoint, and a resumed run (after a stop, or a kill during an evaluator) evaluates the step it
 resumes at unless ``metrics.jsonl`` already holds its few-shot record. A stop request that arrives
-while an evaluator runs is honoured at the next step boundary, as always.
+while an evaluator runs is honoured at a step boundary right after it, as always.
 """
 
 from __future__ import annotations

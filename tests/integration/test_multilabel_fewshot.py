@@ -121,3 +121,24 @@ def test_kill_inside_an_evaluator_resumes_bit_exact_and_logs_each_step_once(refe
     for k in SHOTS:
         assert mlflow_steps(tmp_path, f"fewshot/toy/{k}shot") == [2, 4, 6]
         assert mlflow_steps(tmp_path, f"fewshot/shuffled/{k}shot") == [2, 4, 6]
+
+
+@pytest.mark.slow  # one more 2-rank run
+def test_fewshot_under_zero3_with_ragged_rank_shares(data, tmp_path):
+    """ZeRO-3 gathers each layer's parameters inside forward, a collective: a rank that made one forward
+    call fewer would hang the other. 3 classes x 5 test images (15) over 2 ranks in batches of 4: rank 0
+    holds 7 and rank 1 holds 8, both run 2 batches; the run ends and scores the separable set."""
+    root = tmp_path / "ragged"
+    prep(blobs_manifest(root, 4, 5, classes=3), root / "shards", split_column="split", max_samples_per_shard=4,
+         progress=False)
+    info = json.loads((root / "shards/_info.json").read_text())
+    assert info["splits"]["test"]["num_samples"] == 15
+    argv = ["pretrain", "--config", TINY, f"run.dir={tmp_path / 'run'}", f"data.path={data['shards']}",
+            "train.loss=sigmoid", "model.img_size=16", "train.steps=2", "train.log_every=1", "checkpoint.every=0",
+            "schedule.warmup_steps=1", "engine.zero_stage=3", "eval.batch=4",
+            f"eval.fewshot_data=[ragged={root / 'shards'}]", "eval.fewshot_shots=[1,4]",
+            "train.fewshot_every=1", "tracking.enabled=false"]
+    assert run_local(argv, 2, timeout=600) == 0
+    few = [r for r in records(tmp_path / "run") if "fewshot/seconds" in r]
+    assert [r["step"] for r in few] == [1, 2]
+    assert all(r["fewshot/ragged/4shot"] >= 0.8 for r in few)  # 3 colours: chance is 1/3

@@ -1,7 +1,7 @@
 """Cost of MLflow tracking on the training step: the same run alternates blocks of steps with the
 tracker on (every step logs the loop's metrics to a real MLflow server) and with no tracker at all.
 
-    python -m bench.tracking [--uri http://127.0.0.1:5055] [--blocks 16 --block-steps 25]
+    python -m bench.tracking [--uri http://127.0.0.1:5055] [--blocks 12 --block-steps 100]
 
 Without --uri it starts a server with launch/services/mlflow.sh (a private state dir and port).
 An "on" block holds everything tracking costs the trainer: it opens a Tracker (continuing one MLflow
@@ -53,8 +53,10 @@ def _start_server(state: str) -> tuple[str, dict]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--uri", help="a running MLflow server; default: start one")
-    p.add_argument("--blocks", type=int, default=16, help="on/off pairs of blocks")
-    p.add_argument("--block-steps", type=int, default=25)
+    p.add_argument("--blocks", type=int, default=12, help="on/off pairs of blocks")
+    # 100 steps (about 5 s here): a block's open and close, which a real run pays once per job, would
+    # otherwise be charged every few steps and make most of the measured cost
+    p.add_argument("--block-steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=16, help="flushed requests before timing")
     args = p.parse_args(argv)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import getpass
 import json
+import math
 import os
 import queue
 import socket
@@ -36,6 +37,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 SPOOL = "mlflow_spool.jsonl"
 _BATCH = 1000  # mlflow's limit of metrics per log_batch
+_LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI opens on runs, not traces
 RUN_KEY_TAG = "vitp_run_key"
 
@@ -92,6 +94,7 @@ class _Delivery:
         self._delivered = 0  # ops sent so far, counted as they go (flush waits on it)
         self._runs: dict[str, str] = {}
         self._client = None
+        self._rest = None  # a server's host credentials: metric batches go to its REST API directly
         self._lock = threading.Lock()  # one mlflow request at a time (thread, log_model, close)
         self._sys_next: int | None = None  # a continued run's next system-metrics step
 
@@ -124,6 +127,10 @@ class _Delivery:
             from mlflow import MlflowClient
 
             self._client = MlflowClient(self.uri)
+            if self.uri.startswith(("http://", "https://")):
+                from mlflow.utils.credentials import get_default_host_creds
+
+                self._rest = get_default_host_creds(self.uri)  # the client's auth and TLS settings
         return self._client
 
     def _experiment(self, name: str, artifact_location: str | None) -> str:
@@ -171,7 +178,7 @@ class _Delivery:
 
     def _deliver(self, limit: int | None = None) -> None:
         """Send pending ops in order until none (or ``limit``) are left; raises when the server fails."""
-        from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, RunTag
+        from mlflow.entities import Dataset, DatasetInput, InputTag, RunTag
 
         c, sent = self._connect(), 0
         while self._pending and (limit is None or sent < limit):
@@ -186,7 +193,7 @@ class _Delivery:
                        and self._pending[n].get("run_key") == op.get("run_key")
                        and self._pending[n].get("run_id") == op.get("run_id")):
                     n += 1
-                c.log_batch(rid, metrics=[Metric(o["key"], o["value"], o["ts"], o["step"]) for o in self._pending[:n]])
+                self._log_metrics(rid, self._pending[:n])
             elif op["op"] == "artifact":
                 if Path(op["path"]).exists():
                     c.log_artifact(rid, op["path"], op.get("artifact_path"))
@@ -203,6 +210,22 @@ class _Delivery:
             del self._pending[:n]
             sent += n
             self._delivered += n
+
+    def _log_metrics(self, rid: str, ops: list[dict]) -> None:
+        """One log-batch request. To a server the JSON is built here and posted with mlflow's own
+        http_request (its auth, TLS, retry and timeout settings): MlflowClient.log_batch first builds and
+        validates an entity and a protobuf message per metric, which at log_every=1 was most of what
+        tracking cost the trainer's CPU (bench/tracking.py). Local stores go through the client."""
+        if self._rest is None:
+            from mlflow.entities import Metric
+
+            self._client.log_batch(rid, metrics=[Metric(o["key"], o["value"], o["ts"], o["step"]) for o in ops])
+            return
+        from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+        body = {"run_id": rid, "metrics": [{"key": o["key"], "value": _json_double(o["value"]), "timestamp": o["ts"],
+                                            "step": o["step"]} for o in ops]}
+        verify_rest_response(http_request(self._rest, _LOG_BATCH, "POST", json=body), _LOG_BATCH)
 
     def _send_table(self, rid: str, op: dict) -> None:
         """A table in MLflow's own format (what ``log_table`` writes, so the UI shows it as a table),
@@ -448,6 +471,14 @@ class _SystemMetrics:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(timeout=30.0)
+
+
+def _json_double(v: float) -> float | str:
+    """A double as proto3's JSON writes it: NaN and infinities as strings the server parses (a diverged
+    loss arrives as NaN instead of failing the batch as invalid JSON)."""
+    if v != v:
+        return "NaN"
+    return ("Infinity" if v > 0 else "-Infinity") if v in (math.inf, -math.inf) else v
 
 
 def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60.0) -> dict:

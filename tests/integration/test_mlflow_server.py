@@ -68,3 +68,31 @@ def test_run_survives_server_restart(mlflow_server, tmp_path, monkeypatch):
         uri = mlflow_start()
     assert uri == mlflow_server
     _assert_run(mlflow_tracking.MlflowClient(tracking_uri=uri), run_id, tmp_path)
+
+
+@pytest.mark.mlflow_server
+def test_tracker_posts_metrics_that_the_server_stores_as_log_batch_does(mlflow_server, tmp_path):
+    """To a server, the Tracker posts metric batches to the REST API itself, not through MlflowClient:
+    the server must store what the client's log_batch stores (1/3 bit for bit, NaN, both infinities)."""
+    from mlflow.entities import Metric
+
+    from pipeline.train.tracking import Tracker
+
+    exp = f"vitp-test-{uuid.uuid4().hex[:12]}"
+    values = [1 / 3, float("nan"), float("inf"), float("-inf"), 2.5]
+    t = Tracker(mlflow_server, experiment=exp, run_name="rest", spool_dir=tmp_path, flush_every_s=0.2)
+    for step, v in enumerate(values):
+        t.log_metrics({"loss": v}, step)
+    assert t.flush(30)
+    assert t._rest is not None  # the REST path is the one that delivered them
+    t.close()
+    client = mlflow_tracking.MlflowClient(tracking_uri=mlflow_server)
+    ref = client.create_run(client.get_experiment_by_name(exp).experiment_id).info.run_id
+    client.log_batch(ref, metrics=[Metric("loss", v, 0, step) for step, v in enumerate(values)])
+
+    def stored(run_id):
+        return sorted((m.step, repr(m.value)) for m in client.get_metric_history(run_id, "loss"))
+
+    got = stored(t.run_id)
+    assert got == stored(ref)  # infinities included: the store clamps them, the same for both paths
+    assert [s for s, _ in got] == list(range(len(values))) and got[0][1] == repr(1 / 3) and got[1][1] == "nan"

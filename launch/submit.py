@@ -270,9 +270,21 @@ def _driver_check(args, cfg, cluster: str) -> None:
     """A GPU job: one node's NVIDIA driver vs torch's CUDA build, before sbatch (a preflight asks every node)."""
     if getattr(args, "preflight", False) or args.skip_driver_check:
         return
-    from .preflight import check_driver
+    from .preflight_job import DriverMismatch, check_driver
 
-    check_driver(cfg, cluster)
+    try:
+        check_driver(cfg, cluster)
+    except DriverMismatch as e:
+        raise SubmitError(str(e)) from None
+
+
+def run_preflight(cfg, cluster: str, opts: dict | None = None) -> int:
+    """`vitp preflight`: queue the preflight job with the run's resources, wait, print table and verdict;
+    0 passed, 1 failed (launch/preflight_job.py)."""
+    from .preflight_job import DEFAULTS, preflight_job, report
+
+    job_cfg, call = preflight_job(cfg, {**DEFAULTS, **(opts or {})})
+    return report(cfg, submit_jobs("preflight", [job_cfg], [call], cluster)[0])
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
@@ -432,8 +444,6 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if getattr(args, "preflight", False):  # the same resources for every sweep point (same_job)
-        from .preflight import run_preflight
-
         rc = run_preflight(cfgs[0], cluster)
         if rc:
             print(f"not submitted: the preflight failed (vitp submit {stage} ... without --preflight to queue anyway)",

@@ -11,6 +11,10 @@
     loader_vs_step_gpu        TrainLoader images/s over `vitp prep` shards (os.cpu_count() workers, pinned,
                               copied and normalised on the device) / ViT-L/16 training images/s
     plan_vs_measured_mem_gpu  `vitp plan` peak memory per GPU / torch.cuda.max_memory_allocated, ViT-L/16
+    mfu_vit_l16_recipe        vitp's step as the recipe runs it: its micro batch, its accumulation (global batch /
+                              (world x micro batch) on --resources' cluster), its ZeRO stage; one optimizer step
+    zero1_vs_zero2_gpu        at that micro batch and accumulation: ZeRO-2 step time / ZeRO-1 step time (above 1:
+                              ZeRO-1 is faster; ZeRO-2 reduces every micro step and syncs after each backward)
 
 A step is the loop's: uint8 batch on the device -> normalize -> forward -> loss -> backward -> optimizer.
 Step time: median of --windows windows of --steps steps after --warmup, synchronised around each window.
@@ -202,14 +206,16 @@ class Bench:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def cfg(self, name: str, batch: int):
-        """The recipe overridden for one rank at micro batch ``batch`` (no accumulation)."""
+    def cfg(self, name: str, batch: int, accum: int = 1, zero: int | None = None, ckpt: bool = False):
+        """The recipe overridden for one rank at micro batch ``batch`` x ``accum`` micro steps per optimizer step."""
         a = self.args
-        ov = [f"train.micro_batch={batch}", f"train.global_batch={batch}", "cluster.nodes=1",
-              "cluster.tasks_per_node=1", f"cluster.gpus_per_node={int(self.cuda)}", f"engine.zero_stage={a.zero}",
+        ov = [f"train.micro_batch={batch}", f"train.global_batch={batch * accum}", "cluster.nodes=1",
+              "cluster.tasks_per_node=1", f"cluster.gpus_per_node={int(self.cuda)}",
+              f"engine.zero_stage={a.zero if zero is None else zero}",
               f"engine.precision={'bf16' if self.cuda else 'fp32'}",
               f"engine.backend={'nccl' if self.cuda else 'gloo'}",
-              "tracking.enabled=false", f"model.num_classes={self.num_classes}", "model.grad_checkpointing=false"]
+              "tracking.enabled=false", f"model.num_classes={self.num_classes}",
+              f"model.grad_checkpointing={str(ckpt).lower()}"]
         if self.compile is not None:
             ov.append(f"train.compile={str(self.compile).lower()}")
         if a.smoke:
@@ -259,7 +265,13 @@ class Bench:
 
     def _measure(self, kind: str, cfg, b: int) -> Timing:
         images, labels = self.batch(cfg, b)
-        step, close = BUILDERS[kind](cfg, images, labels, self.num_classes, self.device)
+        micro, close = BUILDERS[kind](cfg, images, labels, self.num_classes, self.device)
+        accum = cfg.train.global_batch // cfg.train.micro_batch
+
+        def step():  # one optimizer step: DeepSpeed steps the optimizer at the accumulation boundary
+            for _ in range(accum):
+                micro()
+
         try:
             return self.time_steps(step)
         finally:
@@ -420,7 +432,39 @@ class Bench:
                 ratio(f"mfu_{name}", self.flops(self.cfg(name, best), best) / found[best].step_s / peak)
             if i == 0:
                 self.against_peers(name, found, best)
+                self.at_recipe(name)
         log(f"done in {self.elapsed():.0f}s")
+
+    def at_recipe(self, name: str) -> None:
+        """The step as the recipe runs it (micro batch, accumulation, activation checkpointing), under ZeRO-1
+        and ZeRO-2 side by side, interleaved twice so drift on a shared machine hits both alike."""
+        mb, accum, zero, ckpt = recipe_step(name, self.args.resources)
+        if self.args.smoke:
+            mb, accum = SMOKE_BATCHES[0], 2  # the accumulation path, on a CPU
+        if self.args.accum:
+            accum = self.args.accum
+        log(f"{name} as the recipe runs: micro batch {mb} x accumulation {accum}, ZeRO-{zero}, activation "
+            f"checkpointing {'on' if ckpt else 'off'}; timing ZeRO-1 and ZeRO-2 there")
+        got: dict[int, list[float]] = {1: [], 2: []}
+        try:
+            for _ in range(2):
+                for z in (1, 2):
+                    r = self.measure("vitp", self.cfg(name, mb, accum, z, ckpt), mb)
+                    if r is None:
+                        raise RuntimeError(f"ZeRO-{z} at micro batch {mb} does not fit")
+                    got[z].append(r.step_s)
+            t1, t2 = statistics.median(got[1]), statistics.median(got[2])
+            own = {1: t1, 2: t2}.get(zero)
+            log(f"{name} recipe step: ZeRO-1 {t1 * 1e3:.1f} ms, ZeRO-2 {t2 * 1e3:.1f} ms per optimizer step")
+            peak, _ = self.peak(self.cfg(name, mb))
+            flops = self.flops(self.cfg(name, mb), mb) * accum
+            ratio(f"mfu_{name}_recipe", flops / own / peak if own else math.nan)  # ZeRO-3 recipes: see --zero
+            ratio("zero1_vs_zero2_gpu", t2 / t1)
+        except Exception:
+            log(f"FAILED: mfu_{name}_recipe, zero1_vs_zero2_gpu\n{traceback.format_exc()}")
+            ratio(f"mfu_{name}_recipe", math.nan)
+            ratio("zero1_vs_zero2_gpu", math.nan)
+            self.free()
 
     def against_peers(self, name: str, found: dict[int, Timing], best: int | None) -> None:
         """The first model's comparisons: timm and the plain loop, the loader, the plan's memory."""
@@ -477,6 +521,15 @@ def write_images(root: Path, n: int, lo: int, hi: int, classes: int = 10) -> Non
         (folder / f"{i:05d}.jpg").write_bytes(buf.getvalue())
 
 
+def recipe_step(name: str, resources: str | None) -> tuple[int, int, int, bool]:
+    """(micro batch, accumulation, ZeRO stage, activation checkpointing) of a recipe on its planned cluster:
+    accumulation = global batch / (nodes x tasks per node x micro batch), with ``resources`` merged over it."""
+    cfg = load_config(ROOT / "configs" / "pretrain" / f"{name}.yaml", [], resources=resources, world_size=1)
+    t, c = cfg.train, cfg.cluster
+    return t.micro_batch, max(1, t.global_batch // (c.nodes * c.tasks_per_node * t.micro_batch)), \
+        cfg.engine.zero_stage, cfg.model.grad_checkpointing
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="vit_l16,vit_b16",
@@ -494,6 +547,10 @@ def main(argv=None) -> int:
     ap.add_argument("--loader-images", type=int, default=384, help="JPEGs written for the loader (default 384)")
     ap.add_argument("--budget-s", type=float, default=300.0,
                     help="soft time limit for the batch searches; later candidates are skipped (default 300)")
+    ap.add_argument("--resources", default=str(ROOT / "configs" / "cluster" / "h100_8x.yaml"),
+                    help="the cluster the recipe's accumulation is computed for (default configs/cluster/h100_8x.yaml)")
+    ap.add_argument("--accum", type=int, default=None,
+                    help="accumulation for the recipe section (default: the recipe's on --resources' cluster)")
     ap.add_argument("--smoke", action="store_true", help="every path on the CPU: tiny ViT, 1-2 steps, fp32, gloo")
     a = ap.parse_args(argv)
     smoke = a.smoke

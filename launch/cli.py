@@ -30,6 +30,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "vitp plan --config configs/pretrain/vit_l16.yaml cluster.nodes=4 --sweep zero=1,2,3"),
     "submit": ("launch.submit:submit_main", "submit a stage to SLURM (submitit)",
                "vitp submit pretrain --config configs/pretrain/vit_l16.yaml cluster.nodes=4 data.path=/data/shards"),
+    "preflight": ("launch.preflight:preflight_main", "prove the cluster (driver, GPUs, NCCL, disks) before a run",
+                  "vitp preflight --config configs/pretrain/vit_l16.yaml --resources configs/cluster/h100_8x.yaml "
+                  "cluster.nodes=4 data.path=/data/shards run.dir=/data/runs/l16"),
     "jobs": ("launch.submit:jobs_main", "list submitted jobs", "vitp jobs"),
     "logs": ("launch.submit:logs_main", "show a job's logs", "vitp logs 1234 --rank 0 --follow"),
     "cancel": ("launch.submit:cancel_main", "cancel a job", "vitp cancel 1234"),

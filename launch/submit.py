@@ -266,6 +266,27 @@ def _run_dir(stage: str, cfg, call: StageJob) -> str:
     return cfg.run.dir
 
 
+def _driver_check(args, cfg, cluster: str) -> None:
+    """A GPU job: one node's NVIDIA driver vs torch's CUDA build, before sbatch (a preflight asks every node)."""
+    if getattr(args, "preflight", False) or args.skip_driver_check:
+        return
+    from .preflight_job import DriverMismatch, check_driver
+
+    try:
+        check_driver(cfg, cluster)
+    except DriverMismatch as e:
+        raise SubmitError(str(e)) from None
+
+
+def run_preflight(cfg, cluster: str, opts: dict | None = None) -> int:
+    """`vitp preflight`: queue the preflight job with the run's resources, wait, print table and verdict;
+    0 passed, 1 failed (launch/preflight_job.py)."""
+    from .preflight_job import DEFAULTS, preflight_job, report
+
+    job_cfg, call = preflight_job(cfg, {**DEFAULTS, **(opts or {})})
+    return report(cfg, submit_jobs("preflight", [job_cfg], [call], cluster)[0])
+
+
 def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", choices=["slurm", "local", "debug"], default=None,
                    help="submitit executor (default: slurm when sbatch is on PATH, else local)")
@@ -273,6 +294,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    help="cluster/hardware YAML merged over the recipe, e.g. configs/cluster/h100_8x.yaml")
     p.add_argument("--wait", action="store_true", help="block until the job ends; non-zero exit if it failed")
     p.add_argument("--dry-run", action="store_true", help="check and print the sbatch parameters; submit nothing")
+    p.add_argument("--skip-driver-check", action="store_true",
+                   help="queue a GPU job without first asking a node for its NVIDIA driver (launch/preflight.py)")
 
 
 def _prep_parser() -> argparse.ArgumentParser:
@@ -306,6 +329,8 @@ def _stage_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                    help="one array task per value (several --sweep: every combination)")
     p.add_argument("--sweep-file", help="YAML list of override mappings, one array task each")
+    p.add_argument("--preflight", action="store_true",
+                   help="run `vitp preflight` with the same arguments first; submit only if it passed")
     _common_args(p)
     return p
 
@@ -386,6 +411,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
             cfg = load_submit_config(None, [*eval_overrides(args), *args.overrides], args.resources)
             check_cluster(cfg, cluster)
             check_stage_importable(stage, target)
+            _driver_check(args, cfg, cluster)
             if args.dry_run:
                 print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
                 return 0
@@ -409,6 +435,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
             for c in cfgs:
                 check_data(c, stage)
             same_job(cfgs, sets)
+            _driver_check(args, base, cluster)
             if args.dry_run:
                 print(json.dumps(slurm_parameters(cfgs[0]), indent=1, sort_keys=True))
                 return 0
@@ -416,6 +443,12 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
     except (ConfigError, SubmitError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "preflight", False):  # the same resources for every sweep point (same_job)
+        rc = run_preflight(cfgs[0], cluster)
+        if rc:
+            print(f"not submitted: the preflight failed (vitp submit {stage} ... without --preflight to queue anyway)",
+                  file=sys.stderr, flush=True)
+            return rc
     entries = submit_jobs(stage, cfgs, calls, cluster, extra)
     if len(entries) == 1:
         print(f"job {entries[0]['job_id']}", flush=True)

@@ -31,9 +31,9 @@ OWNERS = {
 MODEL_ALLOWED = {"torch", "einops", "pipeline"}
 MODEL_LOADING = {"numpy", "safetensors"}  # reading checkpoint files only
 MODEL_LOADING_FILES = {"pipeline/model/convert.py", "pipeline/model/load.py"}
-STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate"}
+STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate", "pipeline.preflight"}
 LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan")
-GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline.files")
+GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline.files", "pipeline.driver")
 
 
 def layer(module: str) -> int | None:
@@ -199,7 +199,7 @@ def test_no_import_cycles():
 
 
 def test_stage_imports_without_launch():
-    code = ("import sys, pipeline.pretrain, pipeline.transfer, pipeline.evaluate; "
+    code = ("import sys, pipeline.pretrain, pipeline.transfer, pipeline.evaluate, pipeline.preflight; "
             "bad = sorted(m for m in sys.modules if m == 'launch' or m.startswith('launch.') "
             "or m == 'deepspeed' or m.startswith('deepspeed.')); print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

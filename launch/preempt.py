@@ -152,10 +152,10 @@ def error_line(e: BaseException) -> str:
 
 
 def write_error(folder: Path, rank: int, e: BaseException) -> None:
-    from pipeline.secrets import redact
-
     """``error.<rank>.json``: this rank's stage raised. `vitp submit --wait`, `vitp jobs` and outcome()
     read it, so a failed job ends the wait with its error even where no scheduler remembers the job."""
+    from pipeline.secrets import redact  # an error text may quote a URI with its credentials
+
     try:
         write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": _restarts(), "time": time.time(),
                                                    "error": redact(error_line(e))})

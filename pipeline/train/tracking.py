@@ -83,7 +83,9 @@ def refusal(e: BaseException, uri: str, experiment: str | None = None) -> str | 
     where = f"MLflow at {redact(uri)}"
     status = _status(e)
     if status == 401:
-        if os.environ.get("MLFLOW_TRACKING_USERNAME") or os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        if "@" in uri.partition("://")[2].partition("/")[0]:
+            what = "the server refused the credentials in the URI; set MLFLOW_TRACKING_USERNAME/PASSWORD instead"
+        elif os.environ.get("MLFLOW_TRACKING_USERNAME") or os.environ.get("MLFLOW_TRACKING_TOKEN"):
             what = "the server refused the credentials in MLFLOW_TRACKING_USERNAME/PASSWORD (or _TOKEN): fix them"
         else:
             what = "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"

@@ -632,8 +632,9 @@ def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60
             if isinstance(e, RestException) or refusal(e, d._uri):  # a no: retrying would not change its mind
                 break
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))  # unreachable: keep trying
+    key = d._pending[0].get("run_key") if d._pending else None  # the header names the run it continues
     left = d._write_spool(None if not d._pending or d._pending[0]["op"] == "run" else
-                          {"op": "run", "run_key": d._pending[0].get("run_key"), "uri": d.uri})
+                          {"op": "run", "run_key": key, "run_id": d._runs.get(key), "uri": d.uri})
     runs = {rid: d._client.get_run(rid).info.status for rid in set(d._runs.values())} if not left else {}
     return {"delivered": d._delivered, "left": left, "runs": runs, "uri": d.uri,
             "error": (refusal(err, d._uri) or redact(f"{type(err).__name__}: {str(err)[:200]}"))

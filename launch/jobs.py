@@ -191,6 +191,14 @@ def outcome(entry: dict, state: str) -> tuple[bool, str]:
     return False, f"job {jid} {state}: {why} (logs: vitp logs {jid})"
 
 
+def tracking_line(run_dir: str) -> str:
+    """'tracking: delivered', or how many records wait in the run dir's spool and the `vitp sync`
+    command that delivers them (pipeline/train/tracking.py; the spool is gone once synced)."""
+    from pipeline.train.tracking import outcome as tracking_outcome
+
+    return tracking_outcome(run_dir)
+
+
 # --------------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------------
@@ -206,11 +214,14 @@ def jobs_main(argv: list[str]) -> int:
         print(f"no jobs in {Path(args.log_dir) / INDEX}")
         return 0
     slurm = slurm_states([e["job_id"] for e in entries if e.get("executor", "slurm") == "slurm"])
-    print(f"{'JOB':<12} {'STAGE':<9} {'STATE':<11} {'SUBMITTED':<19} {'TASKS':>5}  RUN_DIR")
+    print(f"{'JOB':<12} {'STAGE':<9} {'STATE':<11} {'SUBMITTED':<19} {'TASKS':>5}  RUN_DIR  (TRACKING)")
     for e in entries:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.get("time", 0)))
-        print(f"{e['job_id']:<12} {e.get('stage', '?'):<9} {job_state(e, slurm):<11} {when:<19} "
-              f"{e.get('tasks', 1):>5}  {e.get('run_dir', '')}")
+        state = job_state(e, slurm)
+        done = state in TERMINAL and e.get("stage") != "prep" and e.get("run_dir")
+        print(f"{e['job_id']:<12} {e.get('stage', '?'):<9} {state:<11} {when:<19} "
+              f"{e.get('tasks', 1):>5}  {e.get('run_dir', '')}"
+              + (f"  ({tracking_line(e['run_dir'])})" if done else ""))
     return 0
 
 

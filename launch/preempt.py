@@ -154,9 +154,11 @@ def error_line(e: BaseException) -> str:
 def write_error(folder: Path, rank: int, e: BaseException) -> None:
     """``error.<rank>.json``: this rank's stage raised. `vitp submit --wait`, `vitp jobs` and outcome()
     read it, so a failed job ends the wait with its error even where no scheduler remembers the job."""
+    from pipeline.secrets import redact  # an error text may quote a URI with its credentials
+
     try:
         write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": _restarts(), "time": time.time(),
-                                                   "error": error_line(e)})
+                                                   "error": redact(error_line(e))})
     except OSError as oe:  # the record is a courtesy; the exception itself must still propagate
         print(f"vitp: could not write {folder}/error.{rank}.json ({oe})", file=sys.stderr, flush=True)
 

@@ -27,6 +27,7 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     from pipeline.data import DataError
     from pipeline.distributed import AcceleratorError, RendezvousError, dist_env, leave_process_group, rank0_print
     from pipeline.train.loop import NonFiniteLoss, RunDirError
+    from pipeline.train.tracking import TrackingAccessError
     from pipeline.weights import WeightsError
 
     p = parser_for(command, description)
@@ -39,7 +40,7 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     except (RunDirError, ConfigError, DataError, FileNotFoundError, WeightsError, AcceleratorError,
-            RendezvousError) as e:
+            RendezvousError, TrackingAccessError) as e:
         return _error(e)
     finally:
         leave_process_group()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,15 @@ import time
 import uuid
 from pathlib import Path
 
-from .jobs import append_index, cancel_main, jobs_main, logs_main, outcome, wait  # noqa: F401 (cli table)
+from .jobs import (  # noqa: F401 (cli table)
+    append_index,
+    cancel_main,
+    jobs_main,
+    logs_main,
+    outcome,
+    tracking_line,
+    wait,
+)
 from .preempt import STAGE_TARGETS, StageJob
 
 STAGES = ("prep", "pretrain", "transfer", "eval")
@@ -143,6 +152,32 @@ def check_data(cfg, stage: str) -> None:
         print(f"warning: data.path: {len(files)} remote {cfg.data.train_split!r} shards for {streams} loader "
               "streams (ranks x data.workers): streams sharing a shard each read it from its start; "
               "more, smaller shards read faster", file=sys.stderr)
+
+
+def check_tracking(cfgs: list, stage: str) -> None:
+    """The tracking server each job will log to accepts the credentials the job will use (this
+    environment: the job inherits it): a refused login, a missing permission or a TLS failure is one
+    line naming the server, the reason and what to set; nothing is queued. An unreachable server is
+    not refused here: the job buffers and spools (`vitp sync`)."""
+    from pipeline.train.tracking import access_problem, resolve_uri
+
+    seen = set()
+    for cfg in cfgs:
+        if not cfg.tracking.enabled:
+            continue
+        uri, exp = resolve_uri(cfg, cfg.run.dir), cfg.tracking.experiment
+        if stage == "eval":
+            from pipeline.evaluate import evaluated_run
+
+            parent = evaluated_run(cfg.eval.checkpoint) if Path(cfg.eval.checkpoint or "").exists() else None
+            uri = parent.uri if parent and parent.run_id else os.environ.get("MLFLOW_TRACKING_URI")
+            exp = (parent and parent.experiment) or exp
+        if not uri or (uri, exp) in seen:
+            continue
+        seen.add((uri, exp))
+        problem = access_problem(uri, exp)
+        if problem:
+            raise SubmitError(problem)
 
 
 def check_stage_importable(stage: str, target: str | None) -> None:
@@ -412,6 +447,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
             check_cluster(cfg, cluster)
             check_stage_importable(stage, target)
             _driver_check(args, cfg, cluster)
+            check_tracking([cfg], stage)
             if args.dry_run:
                 print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
                 return 0
@@ -436,6 +472,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
                 check_data(c, stage)
             same_job(cfgs, sets)
             _driver_check(args, base, cluster)
+            check_tracking(cfgs, stage)
             if args.dry_run:
                 print(json.dumps(slurm_parameters(cfgs[0]), indent=1, sort_keys=True))
                 return 0
@@ -449,6 +486,11 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
             print(f"not submitted: the preflight failed (vitp submit {stage} ... without --preflight to queue anyway)",
                   file=sys.stderr, flush=True)
             return rc
+    from pipeline.config import secret_values
+    from pipeline.secrets import remember
+
+    for c in cfgs:  # the job's pickle holds them redacted; its environment brings them back
+        remember(secret_values(c))
     entries = submit_jobs(stage, cfgs, calls, cluster, extra)
     if len(entries) == 1:
         print(f"job {entries[0]['job_id']}", flush=True)
@@ -464,4 +506,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
         ok, line = outcome(e, states[e["job_id"]])
         print(line, file=sys.stdout if ok else sys.stderr, flush=True)
         rc = rc or (0 if ok else 1)
+    for e in entries:  # last: what tracking did (delivered, or what waits for `vitp sync`)
+        if stage != "prep" and e.get("run_dir"):
+            print(f"job {e['job_id']} {tracking_line(e['run_dir'])}", flush=True)
     return rc

@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import yaml
 
+from pipeline.secrets import has_secret, redact, restore
+
 
 class ConfigError(ValueError):
     """A configuration mistake; the message is one line naming the key."""
@@ -475,19 +477,43 @@ def _variant_patch(name: str | None) -> int | None:
 # --------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------
-def to_dict(cfg) -> dict:
-    """Config → plain nested dict, with YAML key names."""
+def to_dict(cfg, *, secrets: bool = False) -> dict:
+    """Config → plain nested dict, with YAML key names. Every string is redacted (pipeline/secrets.py:
+    URI userinfo and token-like query values masked) unless ``secrets=True``: what this returns gets
+    written (config.yaml, manifests, MLflow params, the job's pickle), the secret stays in memory."""
     if dataclasses.is_dataclass(cfg):
-        return {_yaml_name(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {_yaml_name(f): to_dict(getattr(cfg, f.name), secrets=secrets) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, list):
-        return [to_dict(v) for v in cfg]
+        return [to_dict(v, secrets=secrets) for v in cfg]
     if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    return cfg
+        return {k: to_dict(v, secrets=secrets) for k, v in cfg.items()}
+    return cfg if secrets else redact(cfg)
+
+
+def secret_values(cfg) -> list[str]:
+    """The config's secret-bearing strings, in clear (for pipeline.secrets.remember)."""
+    def walk(v):
+        if isinstance(v, dict):
+            return [x for w in v.values() for x in walk(w)]
+        if isinstance(v, list):
+            return [x for w in v for x in walk(w)]
+        return [v] if isinstance(v, str) and has_secret(v) else []
+
+    return walk(to_dict(cfg, secrets=True))
+
+
+def _restored(data):
+    if isinstance(data, dict):
+        return {k: _restored(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_restored(v) for v in data]
+    return restore(data)
 
 
 def from_dict(data: dict, *, world_size: int | None = None) -> Config:
-    cfg = _build(Config, data, "")
+    """A config from :func:`to_dict`'s output; redacted values get their secret back where this
+    process knows it (pipeline.secrets.restore)."""
+    cfg = _build(Config, _restored(data), "")
     validate(cfg, world_size=world_size)
     return cfg
 

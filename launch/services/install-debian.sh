@@ -5,7 +5,8 @@
 # Usage: launch/services/install-debian.sh [services] [venv]
 #
 #   services  (default) munge slurmd slurmctld slurm-client: the local SLURM cluster (slurm.sh);
-#             curl: mlflow.sh polls the tracking server's /health
+#             curl: mlflow.sh polls the tracking server's /health; nginx-light: the tests' TLS proxy
+#             in front of a login-protected MLflow server (tests/auth_services.py)
 #   venv      python3-venv: Debian's python3 cannot create a virtual environment without it
 #
 # What counts as present is the commands (munged, slurmctld, ..., curl; python3's ensurepip), so a
@@ -35,6 +36,7 @@ for g in "${groups[@]}"; do
         need slurmd slurmd
         need slurm-client sbatch squeue sinfo scontrol scancel
         need curl curl
+        need nginx-light nginx
         ;;
     venv)
         python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)

@@ -43,7 +43,7 @@ from pipeline.train.ema import Ema
 from pipeline.train.evaluators import FewshotEvaluators
 from pipeline.train.loss import loss_fn, top1_hits
 from pipeline.train.schedule import lr_for
-from pipeline.train.tracking import start_tracking
+from pipeline.train.tracking import check_access, start_tracking
 
 
 @dataclass
@@ -268,6 +268,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     source = data_lib.source_for(cfg.data.path)
     # a missing split fails now, in one line, not after the last step
     check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split})
+    check_access(cfg, run_dir, rank=rank)  # a refused login fails now, in one line, not after training
     hit_key = "prec1" if source.read_info(cfg.data.path).multi_label else "top1"  # big_vision's prec@1
 
     # model: identical initialisation on every rank, then per-rank randomness (dropout)

@@ -12,6 +12,14 @@ and ``system/...`` metrics from MLflow's own monitors (GPUs where NVML, ``nvidia
 
 Default store: ``sqlite:///RUN_DIR/mlflow.db`` (artifacts in RUN_DIR/mlartifacts);
 ``$MLFLOW_TRACKING_URI`` or ``tracking.uri`` point elsewhere (e.g. ``http://127.0.0.1:5000``).
+
+Logins: MLflow's own variables (MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN, and for TLS
+MLFLOW_TRACKING_SERVER_CERT_PATH, _INSECURE_TLS, _CLIENT_CERT_PATH) hold for every request, ours
+included. A refusal (HTTP 401/403, a TLS verification failure) is a configuration error, not an
+outage: :func:`access_problem` finds it before a job is queued or a stage trains, and a refusal
+mid-run (an expired token) is reported once and stops delivery (records spool for `vitp sync`);
+only connection failures and 5xx/429 are retried. A URI is connected with as given and written
+or shown only redacted (pipeline/secrets.py).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import math
 import os
 import queue
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -30,6 +39,8 @@ import uuid
 import warnings
 from pathlib import Path
 from typing import Any
+
+from pipeline.secrets import has_secret, redact, restore
 
 # Fail fast and let our thread retry: mlflow's own retries would stall the queue for minutes.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -40,6 +51,92 @@ _BATCH = 1000  # mlflow's limit of metrics per log_batch
 _LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI opens on runs, not traces
 RUN_KEY_TAG = "vitp_run_key"
+
+
+class TrackingAccessError(RuntimeError):
+    """The tracking server refused us (login, permission, TLS); the message is one line."""
+
+
+def _status(e: BaseException) -> int | None:
+    from mlflow.exceptions import MlflowException
+
+    return e.get_http_status_code() if isinstance(e, MlflowException) else None
+
+
+def _tls_failure(e: BaseException) -> BaseException | None:
+    """The SSL error behind ``e`` (mlflow wraps requests' errors into its own, as their context)."""
+    import ssl
+
+    import requests
+
+    seen = e
+    while seen is not None:
+        if isinstance(seen, (ssl.SSLError, requests.exceptions.SSLError)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def refusal(e: BaseException, uri: str, experiment: str | None = None) -> str | None:
+    """One line saying why the server at ``uri`` refused us and what to set; None for an outage
+    (connection failure, timeout, 5xx, 429) or any other error worth retrying."""
+    where = f"MLflow at {redact(uri)}"
+    status = _status(e)
+    if status == 401:
+        if "@" in uri.partition("://")[2].partition("/")[0]:
+            what = "the server refused the credentials in the URI; set MLFLOW_TRACKING_USERNAME/PASSWORD instead"
+        elif os.environ.get("MLFLOW_TRACKING_USERNAME") or os.environ.get("MLFLOW_TRACKING_TOKEN"):
+            what = "the server refused the credentials in MLFLOW_TRACKING_USERNAME/PASSWORD (or _TOKEN): fix them"
+        else:
+            what = "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN)"
+        return f"{where} refused the login (HTTP 401); {what}"
+    if status == 403:
+        exp = f" on experiment {experiment!r}" if experiment else ""
+        user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+        return (f"{where}: permission denied{exp}" + (f" for user {user!r}" if user else "") +
+                " (HTTP 403); ask the experiment's owner for EDIT, or set tracking.experiment to one you may write")
+    tls = _tls_failure(e)
+    if tls is not None:
+        return (f"{where}: TLS verification failed ({redact(str(tls))[:160]}); set MLFLOW_TRACKING_SERVER_CERT_PATH "
+                "to the server's CA bundle (or MLFLOW_TRACKING_CLIENT_CERT_PATH for a client certificate)")
+    return None
+
+
+def access_problem(uri: str, experiment: str) -> str | None:
+    """Can the credentials this process holds write to ``experiment`` at ``uri``? Creates it, or reads it
+    and writes its kind tag (a write that changes nothing a team set): None when yes, else one line
+    (server, reason, what to set). A server that is only unreachable is not a problem here: an outage
+    is buffered and spooled. Local stores (sqlite:, file:, a path) need no login."""
+    uri = restore(uri)
+    if not uri.startswith(("http://", "https://")):
+        return None
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    c = MlflowClient(uri)
+    try:
+        exp = c.get_experiment_by_name(experiment)
+        if exp is None:
+            c.create_experiment(experiment, tags={KIND_TAG: KIND})
+        else:
+            c.set_experiment_tag(exp.experiment_id, KIND_TAG, exp.tags.get(KIND_TAG, KIND))
+    except MlflowException as e:
+        return refusal(e, uri, experiment)
+    return None
+
+
+def check_access(cfg, run_dir: str | os.PathLike, *, rank: int) -> None:
+    """At a stage's start, on every rank: raise :class:`TrackingAccessError` (on all ranks alike) when
+    the server refuses rank 0's credentials, before anything trains for nothing."""
+    from pipeline.distributed import all_gather_object, wait_for_rank0
+
+    problem = None
+    if rank == 0 and cfg.tracking.enabled:
+        problem = access_problem(resolve_uri(cfg, run_dir), cfg.tracking.experiment)
+    wait_for_rank0()  # rank 0's requests run outside any collective's timeout
+    problem = all_gather_object(problem)[0]
+    if problem:
+        raise TrackingAccessError(problem)
 
 
 def resolve_uri(cfg, run_dir: str | os.PathLike) -> str:
@@ -88,15 +185,21 @@ class _Delivery:
     """Ops -> MLflow requests, in order. ``_runs`` maps each run key met so far to its run id."""
 
     def __init__(self, uri: str, spool_dir: str | os.PathLike):
-        self.uri = uri
+        self._set_uri(uri)
         self._spool = Path(spool_dir) / SPOOL
         self._pending: list[dict] = []
         self._delivered = 0  # ops sent so far, counted as they go (flush waits on it)
         self._runs: dict[str, str] = {}
         self._client = None
-        self._rest = None  # a server's host credentials: metric batches go to its REST API directly
+        self._rest = False  # a server: metric batches go to its REST API directly
         self._lock = threading.Lock()  # one mlflow request at a time (thread, log_model, close)
         self._sys_next: int | None = None  # a continued run's next system-metrics step
+
+    def _set_uri(self, uri: str) -> None:
+        self._uri = restore(uri)  # what we connect with; in memory only
+        self.uri = redact(uri)  # what we write and show
+        if has_secret(self._uri):  # MLflow prints "View run ... at: <the URI>" when a run ends
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
     def _claim_spool(self) -> list[dict]:
         """Take the spool (a rename: of two claimers, one gets it) and return its ops."""
@@ -126,11 +229,8 @@ class _Delivery:
         if self._client is None:
             from mlflow import MlflowClient
 
-            self._client = MlflowClient(self.uri)
-            if self.uri.startswith(("http://", "https://")):
-                from mlflow.utils.credentials import get_default_host_creds
-
-                self._rest = get_default_host_creds(self.uri)  # the client's auth and TLS settings
+            self._client = MlflowClient(self._uri)
+            self._rest = self._uri.startswith(("http://", "https://"))
         return self._client
 
     def _experiment(self, name: str, artifact_location: str | None) -> str:
@@ -216,16 +316,20 @@ class _Delivery:
         http_request (its auth, TLS, retry and timeout settings): MlflowClient.log_batch first builds and
         validates an entity and a protobuf message per metric, which at log_every=1 was most of what
         tracking cost the trainer's CPU (bench/tracking.py). Local stores go through the client."""
-        if self._rest is None:
+        if not self._rest:
             from mlflow.entities import Metric
 
             self._client.log_batch(rid, metrics=[Metric(o["key"], o["value"], o["ts"], o["step"]) for o in ops])
             return
+        from mlflow.utils.credentials import get_default_host_creds
         from mlflow.utils.rest_utils import http_request, verify_rest_response
 
+        # read per request, as MLflow's RestStore does: its auth (basic, bearer) and TLS settings
+        # (server CA, insecure, client certificate) from MLFLOW_TRACKING_* and ~/.mlflow/credentials
+        creds = get_default_host_creds(self._uri)
         body = {"run_id": rid, "metrics": [{"key": o["key"], "value": _json_double(o["value"]), "timestamp": o["ts"],
                                             "step": o["step"]} for o in ops]}
-        verify_rest_response(http_request(self._rest, _LOG_BATCH, "POST", json=body), _LOG_BATCH)
+        verify_rest_response(http_request(creds, _LOG_BATCH, "POST", json=body), _LOG_BATCH)
 
     def _send_table(self, rid: str, op: dict) -> None:
         """A table in MLflow's own format (what ``log_table`` writes, so the UI shows it as a table),
@@ -265,9 +369,11 @@ class Tracker(_Delivery, NullTracker):
         # made the run, and a retry must find it rather than make a second one
         self.run_key = run_key or uuid.uuid4().hex
         self._own = {"op": "run", "run_key": self.run_key, "run_id": run_id, "resume": run_id is not None,
-                     "uri": uri, "experiment": experiment, "run_name": run_name, "parent_run_id": parent_run_id,
-                     "params": {k: str(v)[:6000] for k, v in (params or {}).items()},
-                     "tags": {k: str(v) for k, v in (tags or {}).items()}, "artifact_location": artifact_location}
+                     "uri": self.uri, "experiment": experiment, "run_name": run_name,
+                     "parent_run_id": parent_run_id,
+                     "params": {k: redact(str(v))[:6000] for k, v in (params or {}).items()},
+                     "tags": {k: redact(str(v)) for k, v in (tags or {}).items()},
+                     "artifact_location": artifact_location}
         self._every, self._sys_every = flush_every_s, system_metrics_every_s
         self._q: queue.Queue = queue.Queue()
         self._count = threading.Lock()
@@ -278,13 +384,15 @@ class Tracker(_Delivery, NullTracker):
         self._wake = threading.Event()  # flush/close: deliver now rather than at the next tick
         self._stop = threading.Event()
         self._closed = False
+        self._refused: str | None = None  # why the server refused us; nothing more is sent then
         try:  # create/continue the run now, so the first checkpoint can record its id
             with self._lock:
                 self._deliver(limit=1)
         except Exception as e:  # down at start: the thread keeps trying
-            self._down_since = time.monotonic()
-            warnings.warn(f"MLflow at {uri} unreachable ({type(e).__name__}); training continues, "
-                          "metrics are buffered", stacklevel=2)
+            if not self._refuse(e):
+                self._down_since = time.monotonic()
+                warnings.warn(f"MLflow at {self.uri} unreachable ({type(e).__name__}); training continues, "
+                              "metrics are buffered", stacklevel=2)
         self._thread = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
         self._thread.start()
         self._sampler = _SystemMetrics(self, system_metrics_every_s) if system_metrics_every_s else None
@@ -308,10 +416,10 @@ class Tracker(_Delivery, NullTracker):
         """Dataset inputs: dicts with name, digest, source_type, source, schema, profile, context
         (pipeline.data.dataset_inputs makes them)."""
         if datasets:
-            self._put({"op": "inputs", "datasets": datasets})
+            self._put({"op": "inputs", "datasets": [{k: redact(v) for k, v in d.items()} for d in datasets]})
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self._put({"op": "tags", "tags": {k: str(v) for k, v in tags.items()}})
+        self._put({"op": "tags", "tags": {k: redact(str(v)) for k, v in tags.items()}})
 
     def _put(self, op: dict) -> None:
         with self._count:
@@ -351,10 +459,13 @@ class Tracker(_Delivery, NullTracker):
             header = None if self._pending and self._pending[0] is self._own else \
                 {"op": "run", "run_key": self.run_key, "run_id": self.run_id, "uri": self.uri}
             n = self._write_spool(header)
-        if n:
-            warnings.warn(f"MLflow at {self.uri} unreachable: {n} records kept in {self._spool}; deliver them "
-                          f"with `vitp sync {self._spool.parent}` once it is back (a job that continues "
-                          "this run dir also does)", stacklevel=2)
+        if n and self._refused:
+            warnings.warn(f"{self._refused}: {spooled(self._spool.parent)} records kept in {self._spool}; deliver "
+                          f"them with `vitp sync {self._spool.parent}` once the credentials are fixed", stacklevel=2)
+        elif n:
+            warnings.warn(f"MLflow at {self.uri} unreachable: {spooled(self._spool.parent)} records kept in "
+                          f"{self._spool}; deliver them with `vitp sync {self._spool.parent}` once it is back (a job "
+                          "that continues this run dir also does)", stacklevel=2)
 
     def _at_exit(self) -> None:
         """The process ends without close(): the run failed (an exception); say so, briefly."""
@@ -367,7 +478,8 @@ class Tracker(_Delivery, NullTracker):
         [-1, 3, H, W] -> [-1, K], so the exported program (and pyfunc ``predict``) takes any batch size.
         """
         if not self.flush(60.0):
-            warnings.warn("MLflow unreachable: model not logged (weights are in the run dir)", stacklevel=2)
+            why = "refused us" if self._refused else "unreachable"
+            warnings.warn(f"MLflow {why}: model not logged (weights are in the run dir)", stacklevel=2)
             return
         import mlflow
         import mlflow.pytorch
@@ -382,13 +494,13 @@ class Tracker(_Delivery, NullTracker):
                 out = model(torch.from_numpy(x))
             spec = lambda shape: Schema([TensorSpec(np.dtype(np.float32), (-1, *shape[1:]))])  # noqa: E731
             with self._lock:
-                mlflow.set_tracking_uri(self.uri)
+                mlflow.set_tracking_uri(self._uri)
                 with mlflow.start_run(run_id=self.run_id):
                     mlflow.pytorch.log_model(model, name="model", input_example=x,
                                              signature=ModelSignature(spec(x.shape), spec(tuple(out.shape))),
                                              registered_model_name=registered_name)
         except Exception as e:  # tracking must never end training
-            warnings.warn(f"MLflow log_model failed: {e}", stacklevel=2)
+            warnings.warn(f"MLflow log_model failed: {redact(str(e))}", stacklevel=2)
 
     # ---- the background thread ---------------------------------------------------------------------
     def _opened(self, op: dict) -> None:
@@ -404,6 +516,17 @@ class Tracker(_Delivery, NullTracker):
     def _own_run_id(self) -> str | None:
         return self.run_id
 
+    def _refuse(self, e: BaseException) -> bool:
+        """A refusal (login, permission, TLS): say so once, loudly, and send nothing more (retrying a
+        refused login helps nobody and may lock the account); the records spool at close."""
+        why = refusal(e, self._uri, self.experiment)
+        if why is None:
+            return False
+        self._refused = why
+        print(f"ERROR: {why}. Training continues; tracking records are kept and spooled at the end for "
+              f"`vitp sync {self._spool.parent}`", file=sys.stderr, flush=True)
+        return True
+
     def _drain(self) -> None:
         while True:
             try:
@@ -413,17 +536,19 @@ class Tracker(_Delivery, NullTracker):
 
     def _run(self) -> None:
         backoff = 0.5
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self._refused:
             self._wake.wait(self._every)  # batch whatever arrived meanwhile into few requests
             self._wake.clear()
             self._drain()
             try:
                 with self._lock:
                     self._deliver()
-            except Exception as e:  # server down, slow, or refusing: keep the records, retry later
+            except Exception as e:  # server down or slow: keep the records, retry later
+                if self._refused or self._refuse(e):
+                    return  # close() spools what is pending; flush sees this thread gone
                 if self._down_since is None:
                     self._down_since = time.monotonic()
-                    warnings.warn(f"MLflow at {self.uri} unreachable ({type(e).__name__}: {str(e)[:200]}); "
+                    warnings.warn(f"MLflow at {self.uri} unreachable ({type(e).__name__}: {redact(str(e))[:200]}); "
                                   "training continues, metrics are buffered", stacklevel=1)
                 self._stop.wait(backoff)
                 self._wake.clear()
@@ -446,7 +571,7 @@ class _SystemMetrics:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         self._tracker, self._every = tracker, every
-        self._monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=every, tracking_uri=tracker.uri)
+        self._monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=every, tracking_uri=tracker._uri)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mlflow-system-metrics", daemon=True)
         self._thread.start()
@@ -485,7 +610,8 @@ def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60
     """Deliver ``RUN_DIR/mlflow_spool.jsonl``: each record once, each run ended as it ended.
 
     -> {"delivered": n, "left": n (kept in the spool), "runs": {run_id: status}, "uri": uri, "error"}.
-    The server comes from the spool (``uri`` overrides).
+    The server comes from the spool (``uri`` overrides); the spool names it redacted, so the login
+    comes from MLflow's variables (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN) as they are now.
     """
     from mlflow.exceptions import RestException
 
@@ -493,7 +619,7 @@ def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60
         raise FileNotFoundError(f"{run_dir}: no such run directory")
     d = _Delivery(uri or "", run_dir)
     d._pending = ops = d._claim_spool()
-    d.uri = uri or next((o["uri"] for o in reversed(ops) if o["op"] == "run" and o.get("uri")), "")
+    d._set_uri(uri or next((o["uri"] for o in reversed(ops) if o["op"] == "run" and o.get("uri")), ""))
     if ops and not d.uri:
         d._write_spool(None)
         raise ValueError(f"{d._spool}: names no tracking server; pass --uri")
@@ -501,17 +627,37 @@ def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60
     while d._pending and time.monotonic() < deadline:
         try:
             d._deliver()
-        except RestException as e:  # the server answered no: retrying would not change its mind
+        except Exception as e:
             err = e
-            break
-        except Exception as e:  # unreachable: keep trying until the deadline
-            err = e
-            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
+            if isinstance(e, RestException) or refusal(e, d._uri):  # a no: retrying would not change its mind
+                break
+            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))  # unreachable: keep trying
+    key = d._pending[0].get("run_key") if d._pending else None  # the header names the run it continues
     left = d._write_spool(None if not d._pending or d._pending[0]["op"] == "run" else
-                          {"op": "run", "run_key": d._pending[0].get("run_key"), "uri": d.uri})
+                          {"op": "run", "run_key": key, "run_id": d._runs.get(key), "uri": d.uri})
     runs = {rid: d._client.get_run(rid).info.status for rid in set(d._runs.values())} if not left else {}
     return {"delivered": d._delivered, "left": left, "runs": runs, "uri": d.uri,
-            "error": f"{type(err).__name__}: {str(err)[:200]}" if left and err else None}
+            "error": (refusal(err, d._uri) or redact(f"{type(err).__name__}: {str(err)[:200]}"))
+            if left and err else None}
+
+
+def spooled(run_dir: str | os.PathLike) -> int:
+    """How many records (metrics, tags, artifacts, run ends) wait in ``RUN_DIR/mlflow_spool.jsonl``."""
+    p = Path(run_dir) / SPOOL
+    try:
+        lines = p.read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(1 for line in lines if line.strip() and json.loads(line).get("op") != "run")
+
+
+def outcome(run_dir: str | os.PathLike) -> str:
+    """One line saying what tracking did for a finished job's run dir: delivered, or how many
+    records wait and the `vitp sync` command that delivers them."""
+    n = spooled(run_dir)
+    if n:
+        return f"tracking: {n} records spooled in {Path(run_dir) / SPOOL}; deliver them with `vitp sync {run_dir}`"
+    return "tracking: delivered"
 
 
 def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: int, stage: str,

@@ -30,14 +30,14 @@ def test_root_with_apt_updates_then_installs_what_is_missing(tmp_path):
     r = run(tmp_path, 0)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "apt.log").read_text().splitlines() == [
-        "update -qq", "install -y -qq --no-install-recommends munge slurmctld slurmd slurm-client curl"]
+        "update -qq", "install -y -qq --no-install-recommends munge slurmctld slurmd slurm-client curl nginx-light"]
 
 
 @pytest.mark.parametrize("uid,apt,expect", [
-    (1000, True, f"{SCRIPT}: missing munge slurmctld slurmd slurm-client curl; run as root: sudo bash {SCRIPT} "
-                 "services"),
-    (0, False, f"{SCRIPT}: missing munge slurmctld slurmd slurm-client curl and no apt-get here; install them "
-               "with this system's package manager"),
+    (1000, True, f"{SCRIPT}: missing munge slurmctld slurmd slurm-client curl nginx-light; run as root: "
+                 f"sudo bash {SCRIPT} services"),
+    (0, False, f"{SCRIPT}: missing munge slurmctld slurmd slurm-client curl nginx-light and no apt-get here; "
+               "install them with this system's package manager"),
 ])
 def test_says_in_one_line_what_to_run_when_it_cannot(tmp_path, uid, apt, expect):
     r = run(tmp_path, uid, apt)

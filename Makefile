@@ -5,9 +5,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 LOCK := requirements.lock
 STAMP := $(VENV)/.vitp-installed
+# The torch floor: vitp installed beside the oldest torch it admits (requirements-floor.txt), the way
+# it is installed over a cluster image's own torch; the other packages follow the lock.
+FLOOR_VENV := .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_REQ := requirements-floor.txt
+FLOOR_STAMP := $(FLOOR_VENV)/.vitp-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-quick venv services-up services-down bench bench-img2dataset lint lock clean
+.PHONY: demo test test-quick venv floor-venv services-up services-down bench bench-img2dataset lint lock clean
 
 # A fresh Debian python3 cannot create a venv without python3-venv: installed when root with apt,
 # else install-debian.sh says in one line what to run.
@@ -20,14 +26,31 @@ $(STAMP): pyproject.toml $(LOCK)
 
 venv: $(STAMP)
 
+# torch first, then the lock without torch's own packages, then the project, all without resolving
+# again: torch must stay the one installed. torchvision (timm's dependency; only RandAugment/mixup and
+# bench/ use it) is left out: the only torchvision for this torch at hand is a CUDA build that cannot
+# load beside a CPU torch, where an image's own torchvision matches its torch.
+$(FLOOR_STAMP): pyproject.toml $(LOCK) $(FLOOR_REQ)
+	@test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install -q --upgrade pip
+	$(FLOOR_PY) -m pip install -q -r $(FLOOR_REQ)
+	grep -vE '^(torch|torchvision|triton|nvidia-|cuda-)' $(LOCK) > $(FLOOR_VENV)/others.txt
+	$(FLOOR_PY) -m pip install -q --no-deps -r $(FLOOR_VENV)/others.txt
+	$(FLOOR_PY) -m pip install -q --no-deps -e .
+	$(FLOOR_PY) -c 'import sys, torch; v = open("$(FLOOR_REQ)").read().split("torch==")[1].split()[0]; \
+	  sys.exit(0 if torch.__version__.split("+")[0] == v else f"$(FLOOR_VENV): torch {torch.__version__}, not {v}")'
+	@touch $(FLOOR_STAMP)
+
+floor-venv: $(FLOOR_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/vitp demo
 
 # Installs the Debian packages the services need when missing (root with apt; else one line says what
 # to run), starts the services (local SLURM cluster when root, MLflow server), runs pytest, and stops
 # what it started, whatever pytest's outcome.
-test: $(STAMP)
-	VITP_PYTHON=$(abspath $(PY)) bash tests/run_with_services.sh $(PYTEST_ARGS)
+test: $(STAMP) $(FLOOR_STAMP)
+	VITP_PYTHON=$(abspath $(PY)) VITP_FLOOR_PYTHON=$(abspath $(FLOOR_PY)) bash tests/run_with_services.sh $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
 	VITP_PYTHON=$(abspath $(PY)) bash tests/run_with_services.sh -m "not slow" $(PYTEST_ARGS)

@@ -56,16 +56,22 @@ class RequeueLimitError(RuntimeError):
     """Stopped for a requeue, but cluster.max_requeues is used up."""
 
 
-def job_dist_env(job_env, environ=None) -> DistEnv:
-    """Rank/world/master from a submitit JobEnvironment (slurm, local or debug)."""
+def job_dist_env(job_env, engine: dict | None = None, environ=None) -> DistEnv:
+    """Rank/world/master from a submitit JobEnvironment (slurm, local or debug).
+
+    The master is the allocation's (its first node, a port derived from the job id) unless the
+    config's ``engine.master_addr``/``master_port`` say otherwise: MASTER_ADDR/MASTER_PORT in the
+    environment came from the submitting shell (sbatch exports it) and are stale here.
+    """
     env = os.environ if environ is None else environ
+    engine = engine or {}
     world = int(job_env.num_tasks)
     nodes = max(1, int(job_env.num_nodes))
     hosts = list(job_env.hostnames) if job_env.cluster == "slurm" else ["127.0.0.1"]
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    port = int(env.get("MASTER_PORT") or rendezvous_port(str(job_env.job_id), restart))
+    port = int(engine.get("master_port") or rendezvous_port(str(job_env.job_id), restart))
     return DistEnv(rank=int(job_env.global_rank), world_size=world, local_rank=int(job_env.local_rank),
-                   local_world_size=max(1, world // nodes), master_addr=env.get("MASTER_ADDR") or hosts[0],
+                   local_world_size=max(1, world // nodes), master_addr=engine.get("master_addr") or hosts[0],
                    master_port=port, source=job_env.cluster)
 
 
@@ -208,7 +214,7 @@ class StageJob:
     def _run(self, job_env, folder: Path) -> dict:
         from pipeline.config import from_dict
 
-        d = job_dist_env(job_env)
+        d = job_dist_env(job_env, self.cfg.get("engine"))
         export_env(d)
         os.environ.update({k: str(v) for k, v in self.env.items()})
         os.environ["VITP_JOB_ID"] = str(job_env.job_id)

@@ -129,6 +129,11 @@ class EngineCfg:
     offload_params: bool = False
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     dist_timeout_s: int = _f(300, lo=1)  # a rank that never arrives fails after this
+    # The rendezvous of a SLURM job: by default the allocation's first node and a port derived from
+    # the job id. MASTER_ADDR/MASTER_PORT in the environment are ignored there (sbatch exports the
+    # submitting shell's, stale for this allocation): set these to choose.
+    master_addr: str = ""
+    master_port: int = _f(0, lo=0, hi=65535)  # 0: derived from the job id
 
 
 @dataclass
@@ -447,6 +452,10 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
         raise ConfigError(f"optim.betas: need two values in [0, 1); got {cfg.optim.betas}")
     e = cfg.engine
+    if any(c.isspace() or c in "/@" for c in e.master_addr):  # a host name or an IPv4/IPv6 address
+        raise ConfigError(f"engine.master_addr: expected a host name or address, got {e.master_addr!r}")
+    if 0 < e.master_port < 1024:
+        raise ConfigError(f"engine.master_port: must be 0 (derived) or 1024-65535; got {e.master_port}")
     if e.offload_params and e.zero_stage != 3:
         raise ConfigError(f"engine.offload_params: needs engine.zero_stage=3; got {e.zero_stage}")
     if e.offload_optimizer and e.zero_stage == 0:

@@ -11,8 +11,11 @@ care which one started them.
   is not on the group's device (:func:`comm_device`): NCCL would reject a CPU tensor at step 1 on
   the cluster, gloo on a CPU test would accept it silently.
 - Rank-0-only work that others must wait for (checkpoint conversion, consolidation) is awaited with
-  :func:`wait_for_rank0`, a barrier on a side gloo group with a long timeout, so the NCCL watchdog
-  never sees a rank parked inside a collective.
+  :func:`wait_for_rank0`, a wait on the rendezvous store with a long timeout, so the NCCL watchdog
+  never sees a rank parked inside a collective. Everything else that connects (the groups, the
+  gloo side group) fails within engine.dist_timeout_s.
+- Gloo binds to the interface that routes to MASTER_ADDR (:func:`choose_gloo_interface`), not to
+  whatever the hostname resolves to on a multi-NIC node.
 """
 
 from __future__ import annotations
@@ -54,8 +57,14 @@ def _first_slurm_host(nodelist: str) -> str:
     return head
 
 
-def dist_env(environ: dict | None = None) -> DistEnv:
-    """Read rank/world/master from a launcher's env vars, else SLURM's, else a single process."""
+def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port: int = 0) -> DistEnv:
+    """Read rank/world/master from a launcher's env vars, else SLURM's, else a single process.
+
+    Under SLURM alone (no launcher), the master is the allocation's first node and a port derived
+    from the job id, or ``master_addr``/``master_port`` (engine.master_addr/master_port) when set:
+    never MASTER_ADDR/MASTER_PORT from the environment, which sbatch and srun copy from the
+    submitting shell, stale for this allocation.
+    """
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return DistEnv(
@@ -71,9 +80,9 @@ def dist_env(environ: dict | None = None) -> DistEnv:
         return DistEnv(
             rank=int(env["SLURM_PROCID"]), world_size=ntasks,
             local_rank=int(env.get("SLURM_LOCALID", 0)), local_world_size=local_world,
-            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            master_port=int(env.get("MASTER_PORT") or rendezvous_port(env.get("SLURM_JOB_ID", "0"),
-                                                                       int(env.get("SLURM_RESTART_COUNT") or 0))),
+            master_addr=master_addr or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            master_port=int(master_port or rendezvous_port(env.get("SLURM_JOB_ID", "0"),
+                                                          int(env.get("SLURM_RESTART_COUNT") or 0))),
             source="slurm")
     return DistEnv()
 
@@ -207,8 +216,72 @@ def local_device_index(d: DistEnv) -> int:
                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
 
 
+def _interface_addresses() -> dict[str, set[str]]:
+    """Every interface's IPv4 and IPv6 addresses: {"eth0": {"10.0.0.5", "fe80::1"}, "lo": {...}}."""
+    import fcntl
+    import ipaddress
+    import socket
+    import struct
+
+    found: dict[str, set[str]] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+                found.setdefault(name, set()).add(socket.inet_ntoa(raw[20:24]))
+            except OSError:  # no IPv4 address on it
+                pass
+    try:
+        with open("/proc/net/if_inet6") as f:  # "addr(32 hex) index prefix scope flags name"
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6:
+                    found.setdefault(parts[5], set()).add(str(ipaddress.IPv6Address(bytes.fromhex(parts[0]))))
+    except OSError:
+        pass
+    return found
+
+
+def route_interface(addr: str) -> str | None:
+    """The interface this node would use to reach ``addr`` (name or address), or None if unknown.
+
+    A UDP connect sends nothing: the kernel only picks the route and its source address, and the
+    interface holding that address is the one (for ``addr`` on this very node, the NIC that holds
+    it, which is what the other nodes reach, not ``lo`` as the routing table says).
+    """
+    import socket
+
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            src = s.getsockname()[0]
+    except OSError:
+        return None
+    src = src.split("%")[0]
+    names = [n for n, addrs in _interface_addresses().items() if src in addrs]
+    return sorted(names)[0] if names else None
+
+
+def choose_gloo_interface(master_addr: str, environ=None) -> str | None:
+    """Set GLOO_SOCKET_IFNAME to the interface that routes to ``master_addr`` unless the user set it;
+    returns the interface gloo will use (None: gloo's own choice, by the hostname).
+
+    Without it gloo binds to whatever the hostname resolves to: on a multi-NIC node (or with
+    ``127.0.1.1 <hostname>`` in /etc/hosts) that address may not be reachable from the other nodes,
+    and each connect is retried until the group's timeout.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("GLOO_SOCKET_IFNAME"):
+        return env["GLOO_SOCKET_IFNAME"]
+    name = route_interface(master_addr)
+    if name:
+        env["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
 _COMM_DEVICE = None  # the device of the default group's collectives, set when the group is made
-_SIDE_GROUP = None  # gloo group with a long timeout, for waiting on rank-0-only work
+_SIDE_GROUP = None  # gloo group beside the default one (CPU-side messages under NCCL; preflight checks it)
 
 
 def comm_device():
@@ -218,12 +291,27 @@ def comm_device():
     return _COMM_DEVICE or torch.device("cpu")
 
 
+def bind_local_rank(idx: int, visible: int, environ=None) -> None:
+    """Export LOCAL_RANK as this rank's device index among the ``visible`` GPUs.
+
+    DeepSpeed places ZeRO-3's parameters on ``cuda:{LOCAL_RANK}``; under per-task binding
+    (``--gpus-per-task=1``, ``--gpu-bind``) a task sees one GPU while SLURM's local id is still 0-7:
+    an invalid ordinal on 7 of 8 ranks. There, LOCAL_WORLD_SIZE becomes the visible count too (the
+    ranks that share this view of the node). The DistEnv keeps the node-local rank.
+    """
+    env = os.environ if environ is None else environ
+    env["LOCAL_RANK"] = str(idx)
+    if visible < int(env.get("LOCAL_WORLD_SIZE") or 1):
+        env["LOCAL_WORLD_SIZE"] = str(visible)
+
+
 def _set_comm_device(backend: str, d: DistEnv):
     import torch
 
     global _COMM_DEVICE
     if backend == "nccl":
         idx = local_device_index(d)
+        bind_local_rank(idx, torch.cuda.device_count())
         torch.cuda.set_device(idx)  # before the group exists: NCCL binds its communicator to it
         _COMM_DEVICE = torch.device("cuda", idx)
     else:
@@ -291,17 +379,44 @@ def leave_process_group() -> None:
     """
     import torch.distributed as dist
 
-    global _SIDE_GROUP, _COMM_DEVICE
+    global _SIDE_GROUP, _COMM_DEVICE, _WAITS
     if dist.is_initialized():
         dist.destroy_process_group()
     _SIDE_GROUP = _COMM_DEVICE = None
+    _WAITS = 0
+
+
+def device_id_arg(backend: str, world_size: int, device, torch_version: str | None = None) -> dict:
+    """``{"device_id": device}`` for init_process_group where binding the group to its GPU is safe,
+    else ``{}`` — DeepSpeed's rule (deepspeed/comm/torch.py): only NCCL on a CUDA device, never for a
+    group of one (a bound group builds every later group with ncclCommSplit, and one rank has no
+    peer, DeepSpeed #8248), never on torch 2.6.0 to 2.7.0 (random hangs, pytorch#153960)."""
+    import torch
+
+    if backend != "nccl" or getattr(device, "type", None) != "cuda" or world_size == 1:
+        return {}
+    release = (torch_version or torch.__version__).split("+")[0]
+    parts = tuple(int(x) for x in "".join(c if c.isdigit() or c == "." else " " for c in release)
+                  .split()[0].split(".")[:3] if x)
+    if (2, 6, 0) <= parts < (2, 7, 1):
+        return {}
+    return {"device_id": device}
+
+
+def agent_store_serves(d: DistEnv, environ=None) -> bool:
+    """torchrun's agent already serves the rendezvous store at MASTER_ADDR:MASTER_PORT (every rank
+    is then a client of it, torch's own rule): rank 0 must not expect that port to be free."""
+    env = os.environ if environ is None else environ
+    return (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and env.get("MASTER_ADDR") == d.master_addr
+            and env.get("MASTER_PORT") == str(d.master_port))
 
 
 def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300) -> bool:
     """Join the process group described by ``d`` within ``timeout_s`` or raise RendezvousError.
 
     Done before DeepSpeed starts (DeepSpeed then reuses the group). Under NCCL the rank's GPU is
-    set first. Also makes the side group :func:`wait_for_rank0` uses. Returns False when a group
+    set first. Gloo binds to the interface that routes to the master (GLOO_SOCKET_IFNAME, unless
+    set). Also makes the gloo side group, within the same ``timeout_s``. Returns False when a group
     already exists.
     """
     import datetime
@@ -316,35 +431,51 @@ def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300
     if d.world_size == 1:  # a group of one still needs a store; any free local port will do
         d = DistEnv(master_port=free_port())
     where = f"{d.master_addr}:{d.master_port}"
-    if d.is_rank0 and d.world_size > 1 and not port_free(d.master_port):
+    if d.is_rank0 and d.world_size > 1 and not agent_store_serves(d) and not port_free(d.master_port):
         raise RendezvousError(
             f"rendezvous port {d.master_port} on {d.master_addr} is already in use; "
             f"set MASTER_PORT to a free port or resubmit")
-    kw = {"device_id": device} if backend == "nccl" else {}
+    ifname = choose_gloo_interface(d.master_addr) if d.world_size > 1 else None
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://{where}", rank=d.rank, world_size=d.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        dist.init_process_group(backend, init_method=f"tcp://{where}", rank=d.rank, world_size=d.world_size,
+                                timeout=timeout, **device_id_arg(backend, d.world_size, device))
         if d.world_size > 1:
-            _SIDE_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=24))
+            _SIDE_GROUP = dist.new_group(backend="gloo", timeout=timeout)
     except Exception as e:  # torch raises DistStoreError/DistNetworkError/RuntimeError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         who = "waiting for the other ranks" if d.is_rank0 else f"connecting to rank 0 at {where}"
+        nic = f"; gloo on {ifname} (GLOO_SOCKET_IFNAME)" if ifname else ""
         raise RendezvousError(
             f"rank {d.rank}/{d.world_size}: rendezvous at {where} failed after {timeout_s:g}s "
-            f"{who} ({first}); engine.dist_timeout_s sets the limit") from None
+            f"{who} ({first[:300]}){nic}; engine.dist_timeout_s sets the limit") from None
     return True
+
+
+WAIT_FOR_RANK0_S = 24 * 3600  # rank 0 alone converts or consolidates a checkpoint: minutes to hours
+_WAITS = 0  # wait_for_rank0 calls so far: every rank makes the same calls, so this names a barrier
 
 
 def wait_for_rank0() -> None:
     """A barrier that outwaits slow work: every rank waits here until all have arrived, however long
-    rank 0's own work (or a rank's slow file system) takes.
+    rank 0's own work (or a rank's slow file system) takes (WAIT_FOR_RANK0_S).
 
-    A barrier on the default group would sit inside NCCL's watchdog timeout (engine.dist_timeout_s)
-    while rank 0 converts or consolidates a checkpoint; the side gloo group's timeout is a day.
+    A barrier on a group would sit inside the group's timeout (engine.dist_timeout_s; gloo applies
+    it to the ranks that wait for rank 0 even in monitored_barrier), so the wait is on the
+    rendezvous store, with its own timeout. A rank that dies closes its connection (or, for rank 0,
+    the store): the others fail at once, not after a day.
     """
+    import datetime
+
     import torch.distributed as dist
 
+    global _WAITS
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    dist.barrier(group=_SIDE_GROUP)
+    store = dist.distributed_c10d._get_default_store()
+    # torchrun's agent keeps its store across a restart of the workers: a key of each attempt
+    key = f"vitp/wait_for_rank0/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}/{_WAITS}"
+    _WAITS += 1
+    if store.add(key, 1) == dist.get_world_size():
+        store.set(key + "/all", "1")
+    store.wait([key + "/all"], datetime.timedelta(seconds=WAIT_FOR_RANK0_S))

@@ -82,7 +82,7 @@ def evaluate(cfg: Config) -> EvalResult:
             read_info(cfg.data.path).split(split)
         except DataError as err:
             raise FileNotFoundError(str(err)) from None
-    d = dist_env()
+    d = dist_env(master_addr=cfg.engine.master_addr, master_port=cfg.engine.master_port)
     kind = choose_accelerator(cfg.engine.backend)  # a submitted job's GPU request is checked at job start
     if d.world_size > 1:
         export_env(d)

@@ -55,7 +55,7 @@ def init_distributed(cfg) -> str:
     # cluster.gpus_per_node is what a submitted job asked SLURM for: the job entry (launch/preempt.py)
     # holds the node to it; a process started here by hand runs on what it finds
     kind = choose_accelerator(cfg.engine.backend)
-    d = dist_env()
+    d = dist_env(master_addr=cfg.engine.master_addr, master_port=cfg.engine.master_port)
     export_env(d)
     init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
     return kind

@@ -127,10 +127,13 @@ def n_lines(path: Path) -> int:
 
 
 def test_pretrain_two_nodes_completes(cluster, tmp_path):
-    """The fast case (synthetic data): submit --wait, one MLflow run over 2 ranks, the index, the weights."""
+    """The fast case (synthetic data): submit --wait, one MLflow run over 2 ranks, the index, the weights.
+    The submitting shell has a stale MASTER_ADDR/MASTER_PORT (an unroutable address), which sbatch
+    exports into the job: the allocation's master is used all the same."""
     db, jobs = tmp_path / "mlflow.db", tmp_path / "jobs"
     r = cli(["submit", "pretrain", "--config", TINY, "--resources", RES, SYNTH, "train.steps=6",
-             f"run.dir={tmp_path / 'run'}", f"cluster.log_dir={jobs}", f"tracking.uri=sqlite:///{db}", "--wait"])
+             f"run.dir={tmp_path / 'run'}", f"cluster.log_dir={jobs}", f"tracking.uri=sqlite:///{db}", "--wait"],
+            env={"MASTER_ADDR": "203.0.113.7", "MASTER_PORT": "9"})
     assert r.returncode == 0, r.stdout + r.stderr
     jid = job_id(r.stdout)
     assert r.stdout.splitlines()[-1] == f"job {jid} COMPLETED status=completed step=6 (logs: vitp logs {jid})"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXEMPT = ("tests", "bench")
-SKIP_DIRS = {".venv", ".git", "build", "dist", "runs", "__pycache__", "node_modules"}
+SKIP_DIRS = {".venv", ".venv-floor", ".git", "build", "dist", "runs", "__pycache__", "node_modules"}
 
 # module -> predicate on the repo-relative posix path of the importing file
 OWNERS = {

@@ -198,7 +198,13 @@ def test_job_dist_env_from_submitit_environment():
     assert (d.rank, d.world_size, d.local_rank, d.local_world_size, d.master_addr) == (5, 8, 1, 4, "gpu07")
     assert d.master_port == rendezvous_port("4242") and 20000 <= d.master_port < 40000
     assert job_dist_env(je, environ={"SLURM_RESTART_COUNT": "1"}).master_port != d.master_port
-    assert job_dist_env(je, environ={"MASTER_PORT": "1234"}).master_port == 1234
+    # the submitting shell's MASTER_ADDR/PORT (sbatch exports them into the job) are stale: ignored
+    stale = {"MASTER_ADDR": "login3", "MASTER_PORT": "1234"}
+    assert (job_dist_env(je, environ=stale).master_addr, job_dist_env(je, environ=stale).master_port) == (
+        "gpu07", d.master_port)
+    # the config chooses, when it says so
+    chosen = job_dist_env(je, {"master_addr": "10.1.2.3", "master_port": 29400}, environ=stale)
+    assert (chosen.master_addr, chosen.master_port) == ("10.1.2.3", 29400)
     local = SimpleNamespace(**{**je.__dict__, "cluster": "local"})
     assert job_dist_env(local, environ={}).master_addr == "127.0.0.1"
 
@@ -234,10 +240,13 @@ def test_dist_env_precedence_and_defaults():
     d = dist_env(launcher)
     assert (d.rank, d.world_size, d.local_rank, d.master_addr, d.master_port, d.source) == (
         1, 2, 0, "10.0.0.9", 1234, "env")
-    # SLURM without SLURM_NTASKS_PER_NODE: tasks spread evenly; MASTER_* exported by a site script win
+    # SLURM without SLURM_NTASKS_PER_NODE: tasks spread evenly; MASTER_* in the environment came from
+    # the submitting shell (srun/sbatch copy it) and are ignored; engine.master_addr/port choose
     no_per_node = {k: v for k, v in SLURM_TASK.items() if k != "SLURM_NTASKS_PER_NODE"}
-    d = dist_env({**no_per_node, "MASTER_ADDR": "gpu08", "MASTER_PORT": "2345"})
-    assert (d.local_world_size, d.master_addr, d.master_port) == (4, "gpu08", 2345)
+    d = dist_env({**no_per_node, "MASTER_ADDR": "login3", "MASTER_PORT": "2345"})
+    assert (d.local_world_size, d.master_addr, d.master_port) == (4, "gpu07", rendezvous_port("4242"))
+    d = dist_env({**no_per_node, "MASTER_ADDR": "login3"}, master_addr="gpu08", master_port=2345)
+    assert (d.master_addr, d.master_port) == ("gpu08", 2345)
     assert dist_env({}) == DistEnv()  # no launcher, no SLURM: one process
 
 

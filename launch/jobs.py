@@ -189,7 +189,7 @@ def outcome(entry: dict, state: str) -> tuple[bool, str]:
     failed = [e for e in read_events(folder) if e.get("event") == "failed"]
     if failed:  # the batch script's record: which rank died first and why (launch/attempts.py)
         last, rank = failed[-1], failed[-1].get("rank", 0)
-        note = "" if last.get("requeued") else f"; {last.get('why', 'not requeued')}"
+        note = f"; {last['why']}" if str(last.get("why", "")).startswith("cluster.") else ""  # limit used up
         why = f"{last.get('error')} (rank {rank}{note}; logs: vitp logs {jid} --rank {rank})"
         return False, f"job {jid} {state}: {why}"
     errors = read_errors(folder)

@@ -5,6 +5,7 @@ from scontrol's real output, NCCL's flight-recorder environment and the sbatch s
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -139,3 +140,19 @@ def test_sbatch_script_kills_the_step_on_a_bad_exit_and_ends_with_the_supervisor
     before = lines[:srun]
     assert 'echo "vitp: attempt ${SLURM_RESTART_COUNT:-0} of job $SLURM_JOB_ID starts" >&2' in before
     assert "export SRUN_CPUS_PER_TASK=2" in before
+
+
+def test_vitp_cancel_marks_the_job_before_scancel(tmp_path, monkeypatch, capsys):
+    from launch.jobs import append_index, cancel_main
+
+    bin_dir, folder = tmp_path / "bin", tmp_path / "jobs" / "77"
+    bin_dir.mkdir()
+    folder.mkdir(parents=True)
+    seen = tmp_path / "seen"
+    (bin_dir / "scancel").write_text(f"#!/bin/sh\nls {folder} > {seen}\n")  # what the job sees at TERM time
+    (bin_dir / "scancel").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    append_index(tmp_path / "jobs", {"job_id": "77", "folder": str(folder), "executor": "slurm"})
+    assert cancel_main(["77", "--log-dir", str(tmp_path / "jobs")]) == 0
+    assert seen.read_text().split() == ["cancel-requested"] and capsys.readouterr().out == "cancelled 77\n"
+    assert term_cause("77", folder) == "cancel"

@@ -98,16 +98,16 @@ def owner_alive(owner: dict, mine: dict, beat: float, now: float | None = None) 
             return False, "an earlier attempt of this job"
         if owner.get("host") == mine.get("host") and owner.get("pid") == mine.get("pid"):
             return False, "this process"
+    if job and job != mine.get("job"):  # another SLURM job: squeue's word is final where it answers
+        state = slurm_state(str(job))
+        if state is not None:
+            return (True, state) if state in ACTIVE else (False, state or "ended")
     if owner.get("host") == mine.get("host"):
         alive = _pid_alive(owner)
         if not alive and not job:
             return False, "ended"
         if alive:
             return True, f"pid {owner.get('pid')} on {owner.get('host')}"
-    if job:
-        state = slurm_state(str(job))
-        if state is not None and job != mine.get("job"):
-            return (True, state) if state in ACTIVE else (False, state or "ended")
     fresh = now - beat < lease_s()
     return fresh, f"heartbeat {now - beat:.0f}s ago" if fresh else "no heartbeat"
 

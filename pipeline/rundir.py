@@ -107,7 +107,7 @@ def owner_alive(owner: dict, mine: dict, beat: float, now: float | None = None) 
         if not alive and not job:
             return False, "ended"
         if alive:
-            return True, f"pid {owner.get('pid')} on {owner.get('host')}"
+            return True, "running"
     fresh = now - beat < lease_s()
     return fresh, f"heartbeat {now - beat:.0f}s ago" if fresh else "no heartbeat"
 

@@ -5,6 +5,7 @@ first completes with every step logged once and gives the run dir up."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,8 +26,6 @@ def test_second_local_launch_refuses_a_run_dir_in_use(tmp_path):
     launch = [sys.executable, "-c", "import sys; from launch.local import run_local; "
               "sys.exit(run_local(sys.argv[1:], 2))"]
     env = {"VITP_TEST_PAUSE_AT_STEP": "3", "VITP_TEST_PAUSE_FILE": str(gate), "PATH": "/usr/bin:/bin"}
-    import os
-
     first = subprocess.Popen([*launch, *args[2:]], cwd=ROOT, env={**os.environ, **env},
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -39,8 +38,8 @@ def test_second_local_launch_refuses_a_run_dir_in_use(tmp_path):
         second = subprocess.run([*launch, *args[2:]], cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert second.returncode == 2, second.stderr[-2000:]
         errors = {line for line in second.stderr.splitlines() if line.startswith("error: ")}
-        assert errors == {f"error: run.dir {run} is in use by pid {owner['pid']} on {owner['host']} (pid "
-                          f"{owner['pid']} on {owner['host']}); wait for it to end, cancel it, or choose another "
+        assert errors == {f"error: run.dir {run} is in use by pid {owner['pid']} on {owner['host']} "
+                          "(running); wait for it to end, cancel it, or choose another "
                           "run.dir"}, second.stderr[-2000:]
         after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".owner.json"}
         assert after == before

@@ -34,9 +34,8 @@ def test_live_process_on_this_host_owns_until_it_dies(tmp_path, sleeper):
     before = (tmp_path / OWNER).read_bytes()
     with pytest.raises(RunDirBusy) as e:
         claim(tmp_path)
-    assert str(e.value) == (f"run.dir {tmp_path} is in use by pid {sleeper.pid} on {other['host']} (pid "
-                            f"{sleeper.pid} on {other['host']}); wait for it to end, cancel it, or choose another "
-                            "run.dir")
+    assert str(e.value) == (f"run.dir {tmp_path} is in use by pid {sleeper.pid} on {other['host']} (running); "
+                            "wait for it to end, cancel it, or choose another run.dir")
     assert (tmp_path / OWNER).read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [OWNER]
     sleeper.kill()
     sleeper.wait()

@@ -5,7 +5,8 @@ executor, run dir, sweep id). A job's state comes from SLURM (squeue keeps finis
 MinJobAge; sacct when accounting exists); submitit's own watcher needs sacct, which small clusters
 often lack. The job's result.json (written by rank 0, see launch/preempt.py) says how it ended, or
 its error.<rank>.json records which error ended it; a job that left neither and that no scheduler lists
-any more was killed.
+any more was killed. events.jsonl has one line per attempt (launch/attempts.py): `vitp jobs` lists them
+under a job that ran more than once or did not simply complete.
 Nothing here unpickles anything.
 """
 
@@ -18,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .attempts import describe, read_events
 
 DEFAULT_LOG_DIR = "runs/jobs"
 INDEX = "index.jsonl"
@@ -183,6 +186,12 @@ def outcome(entry: dict, state: str) -> tuple[bool, str]:
         detail += f" stop_reason={res['stop_reason']}"
     if ok or status == "stopped":
         return bool(ok), f"job {jid} {state} {detail} (logs: vitp logs {jid})"
+    failed = [e for e in read_events(folder) if e.get("event") == "failed"]
+    if failed:  # the batch script's record: which rank died first and why (launch/attempts.py)
+        last, rank = failed[-1], failed[-1].get("rank", 0)
+        note = f"; {last['why']}" if str(last.get("why", "")).startswith("cluster.") else ""  # limit used up
+        why = f"{last.get('error')} (rank {rank}{note}; logs: vitp logs {jid} --rank {rank})"
+        return False, f"job {jid} {state}: {why}"
     errors = read_errors(folder)
     if errors:
         rank = errors[0].get("rank", 0)
@@ -222,6 +231,10 @@ def jobs_main(argv: list[str]) -> int:
         print(f"{e['job_id']:<12} {e.get('stage', '?'):<9} {state:<11} {when:<19} "
               f"{e.get('tasks', 1):>5}  {e.get('run_dir', '')}"
               + (f"  ({tracking_line(e['run_dir'])})" if done else ""))
+        events = read_events(e.get("folder", ""))
+        if len(events) > 1 or any(ev.get("event") != "completed" for ev in events):
+            for ev in events:  # how each attempt ended, when there was more than one plain completion
+                print(f"  {describe(ev)}")
     return 0
 
 
@@ -287,6 +300,10 @@ def cancel_main(argv: list[str]) -> int:
                 print(f"error: cancel {jid}: {e}", file=sys.stderr)
                 rc = 1
             continue
+        try:  # read at SIGTERM time: this TERM is a cancel, whatever else SLURM says (launch/preempt.py)
+            (Path(entry["folder"]) / "cancel-requested").write_text(f"{time.time()}\n")
+        except OSError:
+            pass  # the job folder is gone or not writable; SLURM's state tells a cancel apart too
         r = subprocess.run(["scancel", jid], capture_output=True, text=True)
         if r.returncode:
             print(f"error: scancel {jid}: {r.stderr.strip()}", file=sys.stderr)

@@ -6,24 +6,31 @@ callable then
 1. reads rank/world/master from submitit's ``JobEnvironment`` and exports RANK, WORLD_SIZE,
    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, then joins the process group with a
    timeout (before DeepSpeed starts, so DeepSpeed reuses it; no ssh, no hostfile);
-2. replaces submitit's signal handlers on every rank: SIGUSR2 (time limit near, preemption) and
-   SIGTERM (``scancel``) only ask the stage to stop at the next step boundary
-   (:func:`pipeline.train.stopping.request_stop`). submitit's own handler checkpoints from rank 0 alone,
-   but DeepSpeed's save is collective and would hang;
-3. runs the stage; when it comes back "stopped" for a requeue, every rank has saved, so rank 0
-   runs ``scontrol requeue`` and all ranks exit without a result pickle (submitit's ``done()`` and
-   ``vitp submit --wait`` then keep waiting for the requeued run).
+2. replaces submitit's signal handlers on every rank: SIGUSR2 (time limit near) and SIGTERM only ask
+   the stage to stop at the next step boundary (:func:`pipeline.train.stopping.request_stop`).
+   submitit's own handler checkpoints from rank 0 alone, but DeepSpeed's save is collective and would
+   hang;
+3. runs the stage; when it comes back "stopped", every rank has saved, and rank 0 decides what the stop
+   was: USR2 → requeue (``scontrol requeue``, bounded by cluster.max_requeues); TERM → asks SLURM why
+   (:func:`term_cause`): a preemption (PreemptMode=REQUEUE sends TERM, the job is RUNNING with a
+   PreemptTime) requeues the job itself — a job that exits within its GraceTime would otherwise end
+   COMPLETED — while ``scancel``/``vitp cancel`` (the job is already COMPLETING) stops for good. A
+   requeued attempt exits without a result pickle (submitit's ``done()`` and ``vitp submit --wait`` then
+   keep waiting for it).
+
+A task that dies without a word (SIGKILL, OOM, segfault) is handled outside the tasks, by the batch
+script (launch/attempts.py).
 
 Files in the job folder (cfg.cluster.log_dir/JOBID): config.yaml (resolved), result.json (the final
 outcome, rank 0), error.<rank>.json (that rank raised: its error's last line), events.jsonl (one line
-per requeue), submitit's logs and pickles.
+per attempt: how it ended), cancel-requested (`vitp cancel` asked), nccl_trace_rank_<r> (NCCL's flight
+recorder, dumped when a collective times out), submitit's logs and pickles.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import signal
 import subprocess
@@ -31,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from launch.attempts import append_event, count, read_events, retried
 from pipeline.distributed import (
     DistEnv,
     choose_accelerator,
@@ -52,8 +60,49 @@ STAGE_TARGETS = {
 }
 
 
+CANCEL_MARK = "cancel-requested"  # written by `vitp cancel` before scancel
+
+
 class RequeueLimitError(RuntimeError):
     """Stopped for a requeue, but cluster.max_requeues is used up."""
+
+
+def nccl_debug_env(folder: str | os.PathLike, environ=None) -> dict[str, str]:
+    """NCCL's flight recorder: every rank keeps its last collectives and, when one times out, dumps them
+    to ``FOLDER/nccl_trace_rank_<rank>`` (a hang leaves evidence of which collective and which ranks).
+    Names for torch >= 2.7 (TORCH_FR_*) and before (TORCH_NCCL_*); a value the user set is kept."""
+    env = os.environ if environ is None else environ
+    prefix = str(Path(folder).resolve() / "nccl_trace_rank_")
+    want = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+    return {k: v for k, v in want.items() if k not in env}
+
+
+def parse_term_cause(scontrol_text: str) -> str:
+    """`scontrol show job -o JOBID` at SIGTERM time → "preempt" | "time_limit" | "cancel".
+
+    Measured on SLURM 22.05: a job preempted with PreemptMode=REQUEUE gets TERM while it is still
+    RUNNING with PreemptTime set (the grace period); a scancel'd job is already COMPLETING (or CANCELLED)
+    with PreemptTime=None; a requeued attempt starts with PreemptTime=None again."""
+    fields = dict(kv.split("=", 1) for kv in scontrol_text.split() if "=" in kv)
+    state = fields.get("JobState", "")
+    if state == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown", "(null)", ""):
+        return "preempt"
+    if state.startswith("TIMEOUT"):
+        return "time_limit"
+    return "cancel"
+
+
+def term_cause(job_id: str, folder: Path) -> str:
+    """Why this job got SIGTERM; anything unclear is a cancel (a user's scancel must never requeue)."""
+    if (folder / CANCEL_MARK).exists():
+        return "cancel"
+    try:
+        r = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "cancel"
+    return parse_term_cause(r.stdout) if r.returncode == 0 else "cancel"
 
 
 def job_dist_env(job_env, engine: dict | None = None, environ=None) -> DistEnv:
@@ -83,6 +132,8 @@ def _on_usr2(signum, frame) -> None:
 
 
 def _on_term(signum, frame) -> None:
+    # scancel, a preemption (PreemptMode=REQUEUE) or the time limit: rank 0 asks SLURM which once
+    # every rank has saved (term_cause); a signal handler only sets the flag.
     stopping.request_stop("cancel")
 
 
@@ -140,11 +191,6 @@ def _plain(result) -> dict:
     return {k: v for k, v in raw.items() if isinstance(v, (str, int, float, bool, type(None), list, dict))}
 
 
-def _append_event(folder: Path, event: dict) -> None:
-    with open(folder / "events.jsonl", "a") as f:
-        f.write(json.dumps(event) + "\n")
-
-
 def _write_result(folder: Path, summary: dict) -> None:
     write_json(folder / "result.json", summary)
 
@@ -164,7 +210,7 @@ def write_error(folder: Path, rank: int, e: BaseException) -> None:
 
     try:
         write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": _restarts(), "time": time.time(),
-                                                   "error": redact(error_line(e))})
+                                                   "error": redact(error_line(e)), "retry": retried(e)})
     except OSError as oe:  # the record is a courtesy; the exception itself must still propagate
         print(f"vitp: could not write {folder}/error.{rank}.json ({oe})", file=sys.stderr, flush=True)
 
@@ -218,6 +264,7 @@ class StageJob:
         export_env(d)
         os.environ.update({k: str(v) for k, v in self.env.items()})
         os.environ["VITP_JOB_ID"] = str(job_env.job_id)
+        os.environ.update(nccl_debug_env(folder))  # read when the NCCL process group is created
         cfg = from_dict(self.cfg, world_size=d.world_size)
         stopping.clear()
         if self.stage in COOPERATIVE:
@@ -244,6 +291,8 @@ class StageJob:
             self._after_stop(summary, cfg, d, folder, job_env)
         if d.is_rank0:
             _write_result(folder, summary)
+            if job_env.cluster == "slurm":
+                append_event(folder, {"event": "completed", "restart": _restarts(), "step": summary.get("step")})
         return summary
 
     def _after_stop(self, summary: dict, cfg, d: DistEnv, folder: Path, job_env) -> None:
@@ -253,23 +302,33 @@ class StageJob:
         if reason not in ("requeue", "cancel"):
             reason = stopping.stop_reason() or "requeue"
         summary["stop_reason"] = reason
-        if reason != "requeue":
-            # scancel: the checkpoint is saved; SLURM ends the job, nothing is requeued.
-            if d.is_rank0:
-                _write_result(folder, summary)
-            raise SystemExit(0)
         if job_env.cluster != "slurm":
+            if reason == "cancel":
+                if d.is_rank0:
+                    _write_result(folder, summary)
+                raise SystemExit(0)
             raise RequeueLimitError(f"stopped at step {summary.get('step')} for a requeue, but the "
                                     f"'{job_env.cluster}' executor cannot requeue; resubmit to resume")
-        if _restarts() >= cfg.cluster.max_requeues:
-            raise RequeueLimitError(
-                f"stopped at step {summary.get('step')}: job already requeued {_restarts()} times "
-                f"(cluster.max_requeues={cfg.cluster.max_requeues}); resubmit to resume from the checkpoint")
-        _file_barrier(folder, f"requeue-{_restarts()}", d, cfg.engine.dist_timeout_s)
+        job_id, step = str(job_env.job_id), summary.get("step")
+        # every rank has saved before rank 0 requeues (which kills the job) or reports the end
+        _file_barrier(folder, f"stop-{_restarts()}", d, cfg.engine.dist_timeout_s)
         if d.is_rank0:
-            _append_event(folder, {"event": "requeued", "step": summary.get("step"), "restart": _restarts(),
-                                   "time": time.time()})
-            _scontrol_requeue(str(job_env.job_id))
-        # No result pickle: SystemExit passes submitit's `except Exception`, so the job counts as
-        # unfinished and the requeued run writes the final result.
+            cause = term_cause(job_id, folder)  # a site may preempt with USR2 (send_user_signal) too
+            if reason == "requeue":
+                cause = "preempt" if cause == "preempt" else "requeue"
+            if cause == "requeue":  # the time limit is near
+                requeues = count(read_events(folder), "requeued")
+                if requeues >= cfg.cluster.max_requeues:
+                    raise RequeueLimitError(
+                        f"stopped at step {step}: job already requeued {requeues} times "
+                        f"(cluster.max_requeues={cfg.cluster.max_requeues}); resubmit to resume from the checkpoint")
+            event = {"requeue": "requeued", "preempt": "preempted", "time_limit": "time_limit"}.get(cause, "cancelled")
+            append_event(folder, {"event": event, "restart": _restarts(), "step": step})
+            if event in ("cancelled", "time_limit"):  # the checkpoint is saved; nothing is requeued
+                summary["stop_reason"] = "cancel" if event == "cancelled" else "time_limit"
+                _write_result(folder, summary)
+            else:
+                _scontrol_requeue(job_id)
+        # No result pickle on a requeue: SystemExit passes submitit's `except Exception`, so the job counts
+        # as unfinished and the requeued run writes the final result.
         raise SystemExit(0)

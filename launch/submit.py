@@ -20,18 +20,23 @@ import itertools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
+from .attempts import batch_lines
 from .jobs import (  # noqa: F401 (cli table)
     append_index,
     cancel_main,
+    job_state,
     jobs_main,
     logs_main,
     outcome,
+    read_index,
+    slurm_states,
     tracking_line,
     wait,
 )
@@ -76,10 +81,16 @@ def slurm_parameters(cfg) -> dict:
             p[f"slurm_{key}"] = getattr(c, key)
     if c.exclusive:
         p["slurm_exclusive"] = True
+    # A task that dies (OOM killer, segfault) ends the whole step at once instead of leaving the others
+    # in a collective until its timeout; the batch script then records the failure and requeues the job
+    # while cluster.max_failures allows (launch/attempts.py).
+    p["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
+    setup, teardown = batch_lines(c.log_dir, c.max_failures)
     if c.cpus_per_task > 1:
         # Slurm 22.05-23.02: srun no longer inherits sbatch's --cpus-per-task, so every rank (and its
         # loader workers) would share one core; SRUN_CPUS_PER_TASK restores it (ignored elsewhere).
-        p["slurm_setup"] = [f"export SRUN_CPUS_PER_TASK={c.cpus_per_task}"]
+        setup.append(f"export SRUN_CPUS_PER_TASK={c.cpus_per_task}")
+    p["slurm_setup"], p["slurm_teardown"] = setup, teardown
     return p
 
 
@@ -178,6 +189,29 @@ def check_tracking(cfgs: list, stage: str) -> None:
         problem = access_problem(uri, exp)
         if problem:
             raise SubmitError(problem)
+
+
+def check_run_dir(cfg, stage: str) -> None:
+    """A run dir is owned by one job at a time (pipeline/rundir.py): refuse, before sbatch, a second job
+    for a run dir that a queued or running job of this log dir will train in, or that a live job owns."""
+    from pipeline.rundir import ACTIVE, busy
+
+    if stage not in ("pretrain", "transfer"):
+        return
+    run = Path(cfg.run.dir).resolve()
+    login = {"job": None, "restart": 0, "host": socket.gethostname(), "pid": os.getpid(), "pid_start": None}
+    why = busy(run, login)
+    if why is not None:
+        raise SubmitError(why)
+    same = [e for e in read_index(cfg.cluster.log_dir) if e.get("stage") in ("pretrain", "transfer")
+            and e.get("run_dir") and Path(e["run_dir"]).resolve() == run]
+    slurm = slurm_states([e["job_id"] for e in same if e.get("executor", "slurm") == "slurm"])
+    for e in reversed(same):
+        state = job_state(e, slurm)
+        if state in ACTIVE:
+            raise SubmitError(f"run.dir {run} is in use by job {e['job_id']} ({state}); wait for it to end "
+                              f"(it resumes from its checkpoints by itself), `vitp cancel {e['job_id']}`, or "
+                              "choose another run.dir")
 
 
 def check_stage_importable(stage: str, target: str | None) -> None:
@@ -470,6 +504,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
                     envs.append({"VITP_MLFLOW_TAGS": json.dumps(tags, sort_keys=True)})
             for c in cfgs:
                 check_data(c, stage)
+                check_run_dir(c, stage)
             same_job(cfgs, sets)
             _driver_check(args, base, cluster)
             check_tracking(cfgs, stage)

@@ -182,7 +182,8 @@ class ClusterCfg:
     job_name: str = "vitp"
     log_dir: str = "runs/jobs"
     signal_delay_s: int = _f(120, lo=0)  # SIGUSR2 this long before the time limit
-    max_requeues: int = _f(3, lo=0)
+    max_requeues: int = _f(3, lo=0)  # time-limit requeues (USR2); preemptions are not counted
+    max_failures: int = _f(2, lo=0)  # attempts that failed (a rank died or raised) requeued before giving up
 
 
 @dataclass

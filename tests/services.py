@@ -66,9 +66,11 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> str:
 
 @dataclass(frozen=True)
 class SlurmCluster:
-    """The local cluster: submit to `partition`; jobs land on `nodes` (all on this host)."""
+    """The local cluster: submit to `partition`; jobs land on `nodes` (all on this host). A job in
+    `urgent` (higher PriorityTier, same nodes) preempts `partition`'s jobs: SIGTERM, GraceTime, requeue."""
 
     partition: str = "debug"
+    urgent: str = "urgent"
     nodes: tuple[str, ...] = ("node1", "node2")
 
 

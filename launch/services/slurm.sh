@@ -17,6 +17,12 @@
 #   VITP_SLURMCTLD_PORT    slurmctld port (default 17000)
 #   VITP_SLURMD_PORT       first slurmd port (default 17001; node2 uses the next one)
 #   VITP_SLURM_NODE_CPUS   CPUs each node advertises (default 4; both nodes share this host's cores)
+#   VITP_SLURM_GRACE_S     preemption grace time of partition debug (default 60)
+#
+# Partitions (both over node1, node2):
+#   debug   the default; its jobs can be preempted (requeued) by jobs of `urgent`
+#   urgent  PriorityTier 2: a job here preempts debug jobs it needs the nodes of, as a production
+#           cluster's high-priority queue does (SIGCONT + SIGTERM, GraceTime seconds, then requeue)
 #
 # A second, isolated cluster (e.g. to test `down` while another one serves) needs its own
 # VITP_SERVICES_DIR, SLURM_CONF and ports; node names and everything else stay the same.
@@ -33,6 +39,7 @@ TIMEOUT="${VITP_SLURM_TIMEOUT:-60}"
 CTLD_PORT="${VITP_SLURMCTLD_PORT:-17000}"
 SLURMD_PORT="${VITP_SLURMD_PORT:-17001}"
 NODE_CPUS="${VITP_SLURM_NODE_CPUS:-4}"
+GRACE_S="${VITP_SLURM_GRACE_S:-60}"
 NODES=(node1 node2)
 MARKER="# vitp local test cluster (written by launch/services/slurm.sh)"
 MUNGE_SOCKET="$SDIR/munge/munge.socket"
@@ -75,6 +82,10 @@ write_conf() {
     #    periodic scheduler pass (60 s / 30 s by default).
     #  - MinJobAge=300: finished jobs stay visible in squeue/scontrol for 5 min (no accounting DB).
     #  - ReturnToService=2: a node that restarts comes back idle instead of staying DOWN.
+    #  - PreemptType=preempt/partition_prio + PreemptMode=REQUEUE: a job of the higher-PriorityTier
+    #    partition `urgent` preempts debug jobs the way production clusters do: SIGCONT + SIGTERM to the
+    #    tasks (no USR2: no PreemptParameters=send_user_signal), GraceTime seconds to save, then SIGKILL
+    #    and the job goes back to the queue.
     cat >"$CONF.tmp" <<EOF
 $MARKER
 ClusterName=vitp
@@ -112,8 +123,11 @@ SlurmdTimeout=300
 SlurmctldTimeout=120
 InactiveLimit=0
 Waittime=0
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + 1)) CPUs=$NODE_CPUS RealMemory=8000 State=UNKNOWN
-PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=$GRACE_S
+PartitionName=urgent Nodes=node[1-2] MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 EOF
     mv "$CONF.tmp" "$CONF"
 }
@@ -195,7 +209,7 @@ cmd_up() {
         tail_logs "$CTLD_LOG" "$(slurmd_log node1)" "$(slurmd_log node2)"
         die "cluster did not become ready"
     fi
-    log "up: partition debug, nodes ${NODES[*]} (config $CONF)"
+    log "up: partitions debug, urgent (preempts debug), nodes ${NODES[*]} (config $CONF)"
 }
 
 cmd_down() {

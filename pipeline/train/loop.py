@@ -91,7 +91,7 @@ def prepare_run_dir(cfg: Config, rank: int) -> Path | None:
 
     run_dir = Path(cfg.run.dir)
     latest = ckpt_lib.latest_checkpoint(run_dir)
-    entries = [p.name for p in run_dir.iterdir()] if run_dir.is_dir() else []
+    entries = [p.name for p in run_dir.iterdir() if not p.name.startswith(".owner")] if run_dir.is_dir() else []
     if cfg.run.fresh:
         wait_for_rank0()  # everyone has looked before rank 0 deletes
         if rank == 0 and entries:

@@ -164,14 +164,15 @@ def test_preempted_twice_over_real_shards_equals_uninterrupted(cluster, shards, 
     folder, events = jobs / jid, jobs / jid / "events.jsonl"
     for i, k in enumerate((k1, k2)):
         gate.signal_and_open(k, jid, folder, usr2(jid), "requeue")
-        poll(lambda i=i: n_lines(events) > i, 300, f"requeue #{i + 1}", folder)
+        poll(lambda i=i: n_lines(events) > i, 300, f"requeue #{i + 1}", folder)  # one line per attempt
     entries = read_index(jobs)
     states = wait(entries, timeout_s=900)
     for e in entries:
         ok, line = outcome(e, states[e["job_id"]])
         assert ok, line
     ev = [json.loads(x) for x in events.read_text().splitlines()]
-    assert [(e["restart"], e["step"]) for e in ev] == [(0, k1), (1, k2)]
+    assert [(e["event"], e["restart"], e["step"]) for e in ev] == [("requeued", 0, k1), ("requeued", 1, k2),
+                                                                    ("completed", 2, steps)]
     assert json.loads((folder / "result.json").read_text())["restarts"] == 2
     pre_run, ref_run = tmp_path / "pre", tmp_path / "ref"
     assert [p.name for p in complete_checkpoints(pre_run)] == [tag_for(k2), tag_for(steps)]  # keep: 2
@@ -209,7 +210,9 @@ def test_requeue_limit_fails_the_wait_and_resubmitting_resumes(cluster, shards, 
     assert re.fullmatch(rf"job {jid} FAILED: RequeueLimitError: stopped at step {k2}: job already requeued 1 times "
                         rf"\(cluster.max_requeues=1\); resubmit to resume from the checkpoint \(rank [01]; logs: "
                         rf"vitp logs {jid} --rank [01]\)", err.splitlines()[-1]), err[-2000:]
-    assert n_lines(jobs / jid / "events.jsonl") == 1
+    ev = [json.loads(x) for x in (jobs / jid / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["restart"]) for e in ev] == [("requeued", 0), ("failed", 1)]  # not retried
+    assert ev[1]["requeued"] is False and ev[1]["error"].startswith("RequeueLimitError: stopped at step")
     assert complete_checkpoints(run)[-1].name == tag_for(k2)
     again = cli(args)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
@@ -219,8 +222,9 @@ def test_requeue_limit_fails_the_wait_and_resubmitting_resumes(cluster, shards, 
 
 
 def test_operator_commands_and_cancel_on_the_real_stage(cluster, shards, tmp_path):
-    """Held before step 3: `vitp jobs` lists it RUNNING, `vitp logs` shows each rank's log; `vitp cancel`
-    (SIGTERM) makes every rank finish step 3, save it and stop without a requeue."""
+    """Held before step 3: `vitp jobs` lists it RUNNING, `vitp logs` shows each rank's log; a plain
+    `scancel` (SIGTERM; no mark of `vitp cancel`: rank 0 learns from SLURM that this TERM is no
+    preemption) makes every rank finish step 3, save it and stop without a requeue."""
     k, jobs, run = 3, tmp_path / "jobs", tmp_path / "run"
     gate = Gate(tmp_path / "gate", k)
     r = cli(["submit", "pretrain", "--config", TINY, "--resources", RES, f"data.path={shards}", "train.steps=50",
@@ -238,20 +242,22 @@ def test_operator_commands_and_cancel_on_the_real_stage(cluster, shards, tmp_pat
     assert re.search(r"^step +2/50\b", out0.stdout, flags=re.M), out0.stdout[-2000:]
 
     def cancel():
-        c = cli(["cancel", jid, "--log-dir", str(jobs)])
-        assert (c.returncode, c.stdout) == (0, f"cancelled {jid}\n"), c.stderr
+        subprocess.run(["scancel", jid], check=True)
 
     gate.signal_and_open(k, jid, jobs / jid, cancel, "cancel")
     poll(lambda: slurm_states([jid]).get(jid) == "CANCELLED", 120, "CANCELLED")
     res = json.loads((jobs / jid / "result.json").read_text())
     assert (res["status"], res["stop_reason"], res["step"]) == ("stopped", "cancel", k)
-    assert not (jobs / jid / "events.jsonl").exists()
+    ev = [json.loads(x) for x in (jobs / jid / "events.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["restart"], e["step"]) for e in ev] == [("cancelled", 0, k)]
     assert complete_checkpoints(run)[-1].name == tag_for(k)
     entry = read_index(jobs)[0]
     assert job_state(entry) == "CANCELLED"
     assert outcome(entry, "CANCELLED") == (False, f"job {jid} CANCELLED status=stopped step={k} stop_reason=cancel "
                                                   f"(logs: vitp logs {jid})")
-    assert cli(["jobs", "--log-dir", str(jobs)]).stdout.splitlines()[1].split()[2] == "CANCELLED"
+    listing = cli(["jobs", "--log-dir", str(jobs)]).stdout.splitlines()
+    assert listing[1].split()[2] == "CANCELLED"
+    assert listing[2] == f"  attempt 0: cancelled at step {k} (checkpoint saved)"
 
 
 def test_wait_ends_when_the_dataset_vanished_after_submission(cluster, shards, tmp_path):

@@ -8,7 +8,7 @@ Layers, top to bottom:
     launch                                              starts things, parses argv
     pipeline.pretrain, pipeline.transfer, pipeline.evaluate       stages: fn(cfg) -> Result
     pipeline.weights, .train, .eval, .data, .plan       the library
-    pipeline.distributed, .config, .model, .files, .secrets   the ground floor
+    pipeline.distributed, .config, .model, .files, .driver, .secrets, .rundir   the ground floor
 data_prep/ is offline and stands apart: no torch, no pipeline.
 """
 
@@ -34,7 +34,7 @@ MODEL_LOADING_FILES = {"pipeline/model/convert.py", "pipeline/model/load.py"}
 STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate", "pipeline.preflight"}
 LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan")
 GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline.files", "pipeline.driver",
-          "pipeline.secrets")
+          "pipeline.secrets", "pipeline.rundir")
 
 
 def layer(module: str) -> int | None:

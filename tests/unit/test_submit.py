@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from launch.attempts import batch_lines
 from launch.preempt import job_dist_env
 from launch.submit import (
     SubmitError,
@@ -36,12 +37,15 @@ def test_slurm_parameters_from_resources_file():
     cfg = load_submit_config(str(ROOT / "configs/pretrain/vit_b16.yaml"),
                              ["cluster.nodes=4", "cluster.account=vision", "cluster.qos=high", "cluster.time_min=90",
                               "cluster.extra_sbatch={mail-type: END}"], H100)
+    setup, teardown = batch_lines(cfg.cluster.log_dir, cfg.cluster.max_failures)
     assert slurm_parameters(cfg) == {
         "name": cfg.cluster.job_name, "nodes": 4, "tasks_per_node": 8, "gpus_per_node": 8, "cpus_per_task": 12,
         "mem_gb": 960.0, "timeout_min": 90, "slurm_partition": "gpu", "slurm_account": "vision",
         "slurm_qos": "high", "slurm_exclusive": True, "slurm_signal_delay_s": 300,
         "slurm_additional_parameters": {"requeue": True, "mail-type": "END"},
-        "slurm_setup": ["export SRUN_CPUS_PER_TASK=12"]}  # srun inherits --cpus-per-task on every version
+        "slurm_srun_args": ["--kill-on-bad-exit=1"],  # a dead task ends the step (tests/unit/test_attempts.py)
+        "slurm_setup": [*setup, "export SRUN_CPUS_PER_TASK=12"],  # srun inherits --cpus-per-task on every version
+        "slurm_teardown": teardown}
 
 
 def test_slurm_parameters_render_to_sbatch(tmp_path):

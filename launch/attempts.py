@@ -1,0 +1,231 @@
+"""How each attempt of a SLURM job ended, and what happens after a task dies.
+
+A job may run several times under one job id (SLURM requeues it): every attempt ends with one line
+in the job folder's ``events.jsonl``, which survives requeues because the folder does::
+
+    {"event": "requeued",  "restart": 0, "step": 7, ...}   time limit near (USR2): saved, requeued itself
+    {"event": "preempted", "restart": 1, "step": 16, ...}  a higher-priority job took the nodes (TERM
+                                                           with a PreemptTime): saved, requeued itself
+    {"event": "failed",    "restart": 2, "rank": 1, "error": "killed by SIGKILL", "requeued": true, ...}
+    {"event": "cancelled", "restart": 3, "step": 20, ...}  scancel / vitp cancel: saved, stops for good
+    {"event": "time_limit", ...}                           TERM at the time limit itself: saved, ends
+    {"event": "completed", "restart": 3, "step": 24, ...}
+
+The ranks write the first two and the last two themselves (launch/preempt.py). A rank that is
+SIGKILLed (the OOM killer, a segfault, a lost node) cannot write anything, so "failed" is written by
+the batch script after ``srun`` returns (:func:`end_of_attempt`, the sbatch teardown): srun runs with
+``--kill-on-bad-exit=1``, so the first task that dies ends the step at once, whichever rank it was,
+rank 0 included; the batch script survives it, finds which task died first and why (srun's own
+``task N: Killed`` line, that rank's error record), and requeues the job while fewer than
+``cluster.max_failures`` attempts have failed. Errors a retry cannot fix (a bad config, a missing
+dataset, a busy run dir, a non-finite loss) are not retried. The next attempt resumes from the last
+complete checkpoint like any requeue.
+
+Time-limit requeues are bounded by ``cluster.max_requeues``, failures by ``cluster.max_failures``;
+preemptions are the site's decision and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EVENTS = "events.jsonl"
+ATTEMPT_MARK = "vitp: attempt {restart} of job {job} starts"  # echoed by the batch script (setup)
+
+# Exceptions a second attempt would raise again: fail at once, do not spend cluster.max_failures.
+NOT_RETRIED = {"ConfigError", "DataError", "RunDirError", "RunDirBusy", "NonFiniteLoss", "WeightsError",
+               "FileNotFoundError", "RequeueLimitError", "AcceleratorError", "ModuleNotFoundError", "ImportError",
+               "SubmitError"}
+
+
+def append_event(folder: str | os.PathLike, event: dict) -> None:
+    """One line per attempt end; an append of one short line does not interleave with another."""
+    with open(Path(folder) / EVENTS, "a") as f:
+        f.write(json.dumps({"time": time.time(), **event}, sort_keys=True) + "\n")
+
+
+def read_events(folder: str | os.PathLike) -> list[dict]:
+    p = Path(folder) / EVENTS
+    if not p.is_file():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash; the others still count
+    return out
+
+
+def count(events: list[dict], kind: str) -> int:
+    return sum(e.get("event") == kind for e in events)
+
+
+def retried(e: BaseException) -> bool:
+    """Whether another attempt could get past this error (anything not known to be deterministic)."""
+    return not any(c.__name__ in NOT_RETRIED for c in type(e).__mro__)
+
+
+def describe(event: dict) -> str:
+    """One attempt's end for `vitp jobs`, e.g. "attempt 1: failed: rank 1 killed by SIGKILL; requeued"."""
+    kind, step = event.get("event", "?"), event.get("step")
+    at = f" at step {step}" if step is not None else ""
+    what = {"requeued": f"time limit near{at}: saved, requeued",
+            "preempted": f"preempted{at}: saved, requeued",
+            "cancelled": f"cancelled{at}" + (" (checkpoint saved)" if step is not None else ""),
+            "time_limit": f"time limit reached{at} (checkpoint saved; cluster.max_requeues used up?)",
+            "completed": f"completed{at}"}.get(kind)
+    if kind == "failed":
+        what = f"failed: rank {event.get('rank', '?')}: {event.get('error', '?')}"
+        what += "; requeued" if event.get("requeued") else f"; not requeued ({event.get('why', 'no retry')})"
+    return f"attempt {event.get('restart', '?')}: {what or kind}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The batch script's end of an attempt
+# --------------------------------------------------------------------------------------------------
+_SRUN_TASK = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+?)\s*$")
+_SIGNALS = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
+
+
+def first_dead_task(log_text: str) -> tuple[int, str] | None:
+    """srun's report of the first task that ended badly: (rank, "killed by SIGKILL" | "exit code 1"), from
+    lines like ``srun: error: node2: task 1: Killed`` or ``...: tasks 0-3: Exited with exit code 1``."""
+    for line in log_text.splitlines():
+        m = _SRUN_TASK.match(line)
+        if not m:
+            continue
+        rank = int(re.split(r"[,\-]", m["tasks"])[0])
+        what = m["what"]
+        code = re.fullmatch(r"Exited with exit code (\d+)", what)
+        if code:
+            return rank, f"exit code {code[1]}"
+        name = _SIGNALS.get(what.removesuffix(" (core dumped)"))
+        return rank, f"killed by {name}" if name else what
+    return None
+
+
+def this_attempt(log_text: str, restart: int, job: str) -> str:
+    """The part of the batch log written by this attempt (the log is appended to across requeues)."""
+    mark = ATTEMPT_MARK.format(restart=restart, job=job)
+    i = log_text.rfind(mark)
+    return log_text[i:] if i >= 0 else log_text
+
+
+def _tail(path: Path, limit: int = 4 << 20) -> str:
+    """The last ``limit`` bytes of a log (srun reports a dead task at the end of the attempt)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _error_record(folder: Path, rank: int, restart: int) -> dict | None:
+    try:
+        rec = json.loads((folder / f"error.{rank}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec if rec.get("restart", 0) == restart else None
+
+
+def failure(folder: Path, restart: int, log_text: str, rc: int) -> dict:
+    """What ended this attempt: {"rank", "error", "retry"} from srun's first dead task and that rank's
+    error record (or, without srun's line, the earliest error record of this attempt)."""
+    dead = first_dead_task(log_text)
+    if dead is not None:
+        rank, how = dead
+        rec = _error_record(folder, rank, restart)
+        if rec is not None:
+            return {"rank": rank, "error": rec.get("error", how), "retry": rec.get("retry", True)}
+        return {"rank": rank, "error": how, "retry": True}
+    recs = [r for r in (_error_record(folder, int(p.name.split(".")[1]), restart)
+                        for p in folder.glob("error.*.json") if p.name.split(".")[1].isdigit()) if r]
+    if recs:
+        first = min(recs, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+        return {"rank": first.get("rank", "?"), "error": first.get("error"), "retry": first.get("retry", True)}
+    return {"rank": "?", "error": f"srun exited with code {rc}", "retry": True}
+
+
+def job_folder_name(environ: dict | None = None) -> str:
+    """The submitit folder of this job: ``JOBID``, or ``ARRAYID_TASK`` for an array task."""
+    env = os.environ if environ is None else environ
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return env["SLURM_JOB_ID"]
+
+
+def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | None = None, requeue=None) -> int:
+    """The batch script after ``srun`` returned ``rc``: record a failed attempt and requeue the job
+    while failures < max_failures. Returns the batch script's exit code (non-zero: the job FAILED)."""
+    env = os.environ if environ is None else environ
+    name, job_id = job_folder_name(env), env["SLURM_JOB_ID"]
+    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    folder = Path(log_dir) / name
+    events = read_events(folder)
+    if any(e.get("restart") == restart for e in events):
+        return 0  # the ranks said how this attempt ended (and requeued it, where it comes back)
+    if rc == 0:
+        return 0
+    log = folder / f"{name}_0_log.err"  # submitit's sbatch --error: srun's own messages land here
+    text = this_attempt(_tail(log), restart, job_id)
+    why = failure(folder, restart, text, rc)
+    failed_before = count(events, "failed")
+    event = {"event": "failed", "restart": restart, "rank": why["rank"], "error": why["error"], "rc": rc}
+    if not why["retry"]:
+        event.update(requeued=False, why="a retry would fail the same way")
+    elif failed_before >= max_failures:
+        event.update(requeued=False, why=f"cluster.max_failures={max_failures} used up")
+    else:
+        event.update(requeued=True)
+    append_event(folder, event)
+    print(f"vitp: {describe(event)}", file=sys.stderr, flush=True)
+    if not event["requeued"]:
+        return rc
+    (requeue or _scontrol_requeue)(job_id)
+    return 0
+
+
+def _scontrol_requeue(job_id: str) -> None:
+    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
+
+
+def batch_lines(log_dir: str, max_failures: int, python: str | None = None) -> tuple[list[str], list[str]]:
+    """(setup, teardown) lines of the sbatch script: mark where this attempt's log starts; after srun,
+    hand its exit code to :func:`end_of_attempt` (teardown's first line runs right after srun, so $? is
+    srun's status) and end the batch script with what that decides."""
+    import shlex
+
+    py = shlex.quote(python or sys.executable)
+    setup = ['echo "' + ATTEMPT_MARK.format(restart="${SLURM_RESTART_COUNT:-0}", job="$SLURM_JOB_ID") + '" >&2']
+    teardown = ["vitp_rc=$?",
+                f"{py} -m launch.attempts --log-dir {shlex.quote(str(Path(log_dir).resolve()))} "
+                f"--max-failures {int(max_failures)} --rc $vitp_rc",
+                "exit $?"]
+    return setup, teardown
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.attempts",
+                                description="End of a SLURM attempt (the sbatch teardown vitp writes): record a "
+                                            "failed attempt and requeue it while failures < --max-failures. "
+                                            "Example: python -m launch.attempts --log-dir runs/jobs "
+                                            "--max-failures 2 --rc 137")
+    p.add_argument("--log-dir", required=True)
+    p.add_argument("--max-failures", type=int, required=True)
+    p.add_argument("--rc", type=int, required=True, help="srun's exit status")
+    args = p.parse_args(argv)
+    return end_of_attempt(Path(args.log_dir), args.rc, args.max_failures)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

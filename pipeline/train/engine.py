@@ -74,6 +74,9 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
     e, t = cfg.engine, cfg.train
     zero: dict = {"stage": e.zero_stage}
     if e.zero_stage >= 1:
+        # overlap_comm runs ZeRO-2/3's gradient reduction on a side stream during backward (one host
+        # sync per micro step, at the end of backward); ZeRO-1 under bf16 runs DeepSpeed's
+        # BF16_Optimizer (below), which does not read it
         zero.update(contiguous_gradients=True, overlap_comm=_on_gpu(),
                     reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
     if e.zero_stage == 3:
@@ -89,9 +92,7 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
         "gradient_accumulation_steps": grad_accumulation(cfg, world_size),
         "gradient_clipping": float(cfg.optim.clip_grad),
         "zero_optimization": zero,
-        "bf16": {"enabled": e.precision == "bf16"},
-        "fp16": {"enabled": e.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        **_precision(e.precision, e.zero_stage),
         # our optimizer is torch's (DeepSpeed's CPU Adam needs a compiled op)
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
@@ -99,6 +100,33 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def _precision(precision: str, zero_stage: int) -> dict:
+    """DeepSpeed's precision keys (checked against deepspeed 0.19.8's runtime/engine.py,
+    precision_config.py and zero/stage_1_and_2.py).
+
+    - ``data_types.grad_accum_dtype: fp32``: gradients accumulate over micro steps in fp32, not in
+      the model's bf16/fp16 (DeepSpeed's default is the model dtype). With bf16 at ZeRO-1 this makes
+      DeepSpeed use its BF16_Optimizer (a whole fp32 gradient buffer per rank, one all-reduce and one
+      parameter all-gather per optimizer step); at ZeRO-2/3 the owned gradient partition is fp32.
+      Stage 0 takes no mix of bf16 model and fp32 accumulation (DeepSpeed raises): it keeps the model dtype.
+    - ``bf16.check_grad_overflow: false``: bf16 has fp32's exponent range, so no loss scale and no
+      overflow to detect; the check costs an all-reduce and a ``.item()`` (host sync) every step at
+      ZeRO-1/2. (``check_overflow``, also in deepspeed's constants.py, is read nowhere, and the bf16
+      section forbids unknown keys.) A non-finite loss still stops the run (pipeline/train/loop.py).
+    - ``bf16.immediate_grad_update: true``: BF16_Optimizer adds each gradient into the fp32 buffer
+      from a hook as soon as it is produced and frees the bf16 one, instead of one pass over every
+      parameter after backward with both copies alive.
+    """
+    out: dict = {
+        "bf16": {"enabled": precision == "bf16", "immediate_grad_update": True, "check_grad_overflow": False},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+    }
+    if zero_stage >= 1 or precision == "fp32":
+        out["data_types"] = {"grad_accum_dtype": "fp32"}
+    return out
 
 
 def default_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

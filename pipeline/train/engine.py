@@ -262,15 +262,70 @@ def saved_world_size(ckpt_dir: str) -> int:
     return max(1, len(glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt"))))
 
 
-def to_universal(ckpt_dir: str, out_dir: str) -> None:
-    """Convert a DeepSpeed checkpoint to the world-size-independent universal format."""
-    from deepspeed.checkpoint import ds_to_universal
+def conversion_workers() -> int:
+    """Processes for a universal-checkpoint conversion: the cores this task may run on (its CPU
+    affinity, which SLURM's binding sets), at most SLURM_CPUS_PER_TASK where SLURM says it."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return max(1, min(n, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else n)
 
-    args = argparse.Namespace(input_folder=ckpt_dir, output_folder=out_dir, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)
-    with _quiet():
-        ds_to_universal.main(args)
+
+def scratch_dir(fallback: str | os.PathLike) -> str:
+    """Node-local scratch for intermediate files: $SLURM_TMPDIR, else $TMPDIR (where they name a
+    writable folder), else ``fallback``."""
+    for var in ("SLURM_TMPDIR", "TMPDIR"):
+        d = os.environ.get(var)
+        if d and os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK):
+            return d
+    return str(fallback)
+
+
+_CONVERT = ("import sys; from deepspeed.checkpoint import ds_to_universal as u; "
+            "sys.argv = ['ds_to_universal', *sys.argv[1:]]; u.main(u.parse_arguments())")
+
+
+def to_universal(ckpt_dir: str, out_dir: str, *, workers: int | None = None) -> dict:
+    """Convert a DeepSpeed checkpoint to the world-size-independent universal format in ``out_dir``,
+    which appears whole (with a ``done`` marker) or not at all. Returns {"workers", "scratch"}.
+
+    A ViT-H checkpoint of 64 ranks is ~75k fragment files: they are written to node-local scratch
+    (:func:`scratch_dir`) by one process per core (:func:`conversion_workers`). The conversion runs
+    in a child process, so its process pool forks a plain interpreter, not a trainer holding process
+    groups and threads. The result is moved beside ``out_dir`` (a copy when scratch is another file
+    system) and renamed into place.
+    """
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from pipeline.files import fsync_path
+
+    workers = workers or conversion_workers()
+    out = os.path.abspath(out_dir)
+    staging = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="vitp-universal-", dir=scratch_dir(os.path.dirname(out))) as work:
+        result = os.path.join(work, "out")
+        argv = [sys.executable, "-c", _CONVERT, "--input_folder", os.path.abspath(ckpt_dir), "--output_folder",
+                result, "--num_extract_workers", str(workers), "--num_merge_workers", str(workers),
+                "--inject_missing_state"]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0 or os.environ.get("VITP_DS_VERBOSE"):
+            print(proc.stdout + proc.stderr, file=sys.stderr, flush=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{ckpt_dir}: universal checkpoint conversion failed (exit {proc.returncode}); "
+                               "its output is above")
+        with open(os.path.join(result, "done"), "w") as f:
+            f.write("ok\n")
+        shutil.move(result, staging)  # a rename on one file system, else a copy
+    for dirpath, _, names in os.walk(staging):  # the copy is on stable storage before it is published
+        for n in names:
+            fsync_path(os.path.join(dirpath, n))
+        fsync_path(dirpath)
+    os.replace(staging, out)
+    fsync_path(os.path.dirname(out))
+    return {"workers": workers, "scratch": os.path.dirname(work)}
 
 
 def fp32_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:

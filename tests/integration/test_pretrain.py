@@ -9,6 +9,7 @@ change) and shards written by `vitp prep`, read by 2 loader workers per rank.
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -232,14 +233,30 @@ def test_non_finite_loss_exits_1_and_saves_nothing(tmp_path, capfd):
 
 
 def test_world_size_change_via_universal_checkpoint(reference, tmp_path, capfd):
+    """2 ranks -> 1: the checkpoint is converted once, by a process per core of the task, with its
+    intermediate files in node-local scratch ($TMPDIR), and published whole into the run dir."""
+    import os
+
+    from pipeline.train.engine import conversion_workers
+
     src = reference(2)
-    (tmp_path / "checkpoints").mkdir()
-    shutil.copytree(src / "checkpoints/step-00000004", tmp_path / "checkpoints/step-00000004")
-    shutil.copy(src / "config.yaml", tmp_path / "config.yaml")
+    run, scratch = tmp_path / "run", tmp_path / "node_local"
+    scratch.mkdir()
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copytree(src / "checkpoints/step-00000004", run / "checkpoints/step-00000004")
+    shutil.copy(src / "config.yaml", run / "config.yaml")
     # 2 ranks x 16 → 1 rank x 16 x 2 accumulation steps: the same samples per step
-    assert pretrain(tmp_path, "engine.zero_stage=2", nprocs=1) == 0
+    assert pretrain(run, "engine.zero_stage=2", nprocs=1, env={"TMPDIR": str(scratch)}) == 0
     out = capfd.readouterr().out
+    workers = conversion_workers()  # this machine's cores (the test runs where the rank ran)
+    assert workers == len(os.sched_getaffinity(0))
     assert "written by 2 ranks, resuming on 1" in out and "universal" in out
+    assert f"{workers} worker(s), intermediate files in {scratch}" in out
+    assert not list(scratch.glob("vitp-universal-*"))  # the fragments were written there and cleaned up
+    universal = run / "checkpoints/step-00000004.universal"
+    assert (universal / "done").is_file() and (universal / "zero").is_dir()
+    assert [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith((".", "vitp-"))] == []
+    tmp_path = run
     got, ref = losses(tmp_path), losses(src)
     assert set(got) == {5, 6}
     for s in (5, 6):
@@ -349,3 +366,43 @@ def test_ema_resumes_exactly_and_is_the_exported_model(reference, tmp_path):
     raw, avg = weights(reference(2)), weights(whole)
     assert any(not torch.equal(raw[k], avg[k]) for k in raw)
     assert all(torch.isfinite(v).all() for v in avg.values())
+
+
+STALE_LISTING = """
+# rank 1's NFS client serves a cached listing of checkpoints/ from before the first checkpoint existed
+import os, pathlib
+if os.environ.get("RANK") == "1":
+    _real = pathlib.Path.iterdir
+    pathlib.Path(os.environ["VITP_TEST_STALE_MARK"]).write_text("rank 1 lists checkpoints/ as empty")
+
+    def _stale(self):
+        if self.name != "checkpoints":
+            yield from _real(self)
+            return
+        yield from (p for p in _real(self) if not p.name.startswith("step-"))
+
+    pathlib.Path.iterdir = _stale
+"""
+
+
+def test_resume_follows_rank0_under_a_stale_listing(reference, tmp_path):
+    """Rank 1 lists checkpoints/ as empty (a stale directory cache); rank 0 sees step 4 and chooses it,
+    and both resume from it: the run ends as the uninterrupted one (a rank that started over at step 0
+    would have run other steps and never met rank 0 at the end)."""
+    src = reference(2)
+    run = tmp_path / "run"
+    shutil.copytree(src, run)
+    shutil.rmtree(run / "checkpoints/step-00000006")  # as if killed in step 5
+    (run / "checkpoints/LATEST").write_text("step-00000004\n")
+    (run / "model.safetensors").unlink()
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STALE_LISTING)
+    mark = tmp_path / "stale.txt"
+    env = {"PYTHONPATH": f"{site}{':' + os.environ['PYTHONPATH'] if os.environ.get('PYTHONPATH') else ''}",
+           "VITP_TEST_STALE_MARK": str(mark)}
+    assert pretrain(run, "engine.zero_stage=2", env=env) == 0
+    assert mark.is_file()  # rank 1 ran with the stale view (and, deciding alone, would have started over)
+    assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert losses(run) == losses(src)
+    assert_same_weights(run, src)

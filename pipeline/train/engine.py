@@ -338,15 +338,35 @@ def fp32_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     if glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with _quiet():  # lazy: shards are memory-mapped, a tensor is joined when asked for
-            lazy = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag, lazy_mode=True)
-            return {k: v.contiguous().float() for k, v in lazy.items()}
+        try:
+            with _quiet():  # lazy: shards are memory-mapped, a tensor is joined when asked for
+                lazy = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag, lazy_mode=True)
+                return {k: v.contiguous().float() for k, v in lazy.items()}
+        except ValueError as e:  # BF16_Optimizer's files (bf16 ZeRO-1): "... is not a zero checkpoint"
+            if "is not a zero checkpoint" not in str(e):
+                raise
+        return _fp32_via_universal(ckpt_dir)
     else:
         files = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt")))
         if not files:
             raise FileNotFoundError(f"{ckpt_dir}: no DeepSpeed model states in this folder")
         sd = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
+
+
+def _fp32_via_universal(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a BF16_Optimizer checkpoint (bf16 ZeRO-1 with fp32 accumulation),
+    which deepspeed 0.19.8's zero_to_fp32 refuses ("is not a zero checkpoint"): its universal
+    conversion writes each parameter whole (``zero/<name>/fp32.pt``), in node-local scratch."""
+    import tempfile
+
+    files = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt")))
+    names = list(torch.load(files[0], map_location="cpu", weights_only=False)["module"])
+    with tempfile.TemporaryDirectory(prefix="vitp-fp32-", dir=scratch_dir(os.path.dirname(ckpt_dir))) as work:
+        out = os.path.join(work, "universal")
+        to_universal(ckpt_dir, out)
+        return {n: torch.load(os.path.join(out, "zero", n, "fp32.pt"), map_location="cpu",
+                              weights_only=False)["param"].float().contiguous() for n in names}
 
 
 @contextlib.contextmanager

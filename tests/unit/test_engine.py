@@ -262,6 +262,16 @@ buffer = flat[0].dtype if flat[0] is not None else getattr(opt, "gradient_accumu
 out.update(optimizer=type(opt).__name__, accum_dtype=str(eng.get_data_types()[1]), buffer_dtype=str(buffer),
            immediate=getattr(opt, "immediate_grad_update", None), check=getattr(opt, "check_grad_overflow", None),
            overflow_checks=len(overflow_checks), norm=engine.grad_norm(eng))
+# the consolidated fp32 weights of a saved checkpoint are the optimizer's fp32 master weights, bit for bit
+# (bf16 ZeRO-1's BF16_Optimizer files are not read by zero_to_fp32: they go through a universal conversion)
+import tempfile
+from deepspeed.utils import safe_get_full_fp32_param
+with tempfile.TemporaryDirectory() as d:
+    engine.save_checkpoint(eng, d, "step-2")
+    sd = engine.fp32_state_dict(os.path.join(d, "step-2"))
+    out["files"] = sorted(os.listdir(os.path.join(d, "step-2")))
+master = {n: safe_get_full_fp32_param(p).detach().float() for n, p in eng.module.named_parameters()}
+out["fp32_exact"] = sd.keys() == master.keys() and all(torch.equal(sd[n], master[n]) for n in master)
 print("RESULT " + json.dumps(out))
 """
 
@@ -270,8 +280,8 @@ print("RESULT " + json.dumps(out))
 def test_bf16_knobs_do_what_the_config_says(stage):
     """The generated keys, in a real (1-rank, CPU) DeepSpeed engine: ZeRO-1 bf16 runs BF16_Optimizer with
     an fp32 gradient buffer filled from hooks (no bf16 gradient left after backward); ZeRO-2 never runs
-    its overflow check; ZeRO-2/3 keep the gradient partition in fp32. One engine per process (DeepSpeed
-    keeps its groups in module globals)."""
+    its overflow check; ZeRO-2/3 keep the gradient partition in fp32. Each stage's checkpoint consolidates
+    to its fp32 master weights. One engine per process (DeepSpeed keeps its groups in module globals)."""
     import json
     import subprocess
     import sys
@@ -283,6 +293,7 @@ def test_bf16_knobs_do_what_the_config_says(stage):
     r = json.loads(line[-1][len("RESULT "):])
     assert r["accum_dtype"] == "torch.float32" and r["buffer_dtype"] == "torch.float32"
     assert r["norm"] > 0 and r["norm"] == r["norm"]
+    assert r["fp32_exact"], r["files"]
     if stage == 1:
         assert r["optimizer"] == "BF16_Optimizer" and r["immediate"] is True
         assert r["bf16_grads_after_backward"] == 0  # each was added to the fp32 buffer and freed in backward

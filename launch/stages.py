@@ -197,13 +197,18 @@ def plan_main(argv: list[str]) -> int:
         format_report,
         format_sweep,
         load_planned,
+        model_shape,
         parse_sweep,
         plan,
         sweep,
     )
+    from pipeline.plan.recommend import format_recommendation, recommend
 
-    p = parser_for("plan", "Memory per GPU, step time, throughput and cost of a pre-training run, on paper.")
+    p = parser_for("plan", "Memory per GPU, step time, throughput and cost of a pre-training run, on paper, "
+                           "and the ZeRO stage to train it with on this cluster.")
     add_config_args(p)
+    p.add_argument("--resources", default=None,
+                   help="a cluster file (cluster: and hardware: only), e.g. configs/cluster/h100_8x.yaml")
     p.add_argument("--sweep", nargs="+", default=[], metavar="KEY=V1,V2",
                    help=f"a table over options; keys: {', '.join(SWEEP_KEYS)} (ckpt/offload take on,off)")
     p.add_argument("--dataset-size", type=int, default=None,
@@ -221,16 +226,19 @@ def plan_main(argv: list[str]) -> int:
     try:
         if not 0 <= args.headroom < 1:
             raise PlanError(f"--headroom: must be in [0, 1); got {args.headroom}")
-        cfg = load_planned(args.config, args.overrides)
+        cfg = load_planned(args.config, args.overrides, args.resources)
         result = plan(cfg, **kw)
-        rows = sweep(args.config, args.overrides, parse_sweep(args.sweep), **kw) if args.sweep else None
+        rec = recommend(cfg, model_shape(cfg, args.num_classes)[0], backend=args.backend, headroom=args.headroom)
+        rows = sweep(args.config, args.overrides, parse_sweep(args.sweep), resources=args.resources,
+                     **kw) if args.sweep else None
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({**result, "sweep": rows}, indent=1, default=float))
+        print(json.dumps({**result, "recommendation": rec, "sweep": rows}, indent=1, default=float))
         return 0
     print(format_report(result))
+    print("\n" + format_recommendation(rec))
     if rows is not None:
         print("\n== sweep (NO: does not fit in device memory)")
         print(format_sweep(rows))

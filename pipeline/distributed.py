@@ -479,3 +479,16 @@ def wait_for_rank0() -> None:
     if store.add(key, 1) == dist.get_world_size():
         store.set(key + "/all", "1")
     store.wait([key + "/all"], datetime.timedelta(seconds=WAIT_FOR_RANK0_S))
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's ``obj`` (a small picklable value) on every rank: one decision for all, where each
+    rank's own view could differ (a shared file system's cached listing). Over the side gloo group,
+    so no device tensor and no NCCL watchdog while rank 0 decides."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_SIDE_GROUP)
+    return box[0]

@@ -17,18 +17,30 @@ from pathlib import Path
 
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike, *, fsync: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; when the block ends without error it replaces ``path``."""
+    """Yield a temporary path beside ``path``; when the block ends without error it replaces ``path``
+    (``fsync``: the new file and the folder's entry are on stable storage when the block ends)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         yield tmp
         if fsync:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_path(tmp)
         os.replace(tmp, path)
+        if fsync:  # the rename itself is an entry of the folder
+            fsync_path(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a folder's entries (a rename or a new file in it), to stable storage:
+    what a shared file system has acknowledged survives a crash of this node."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str | os.PathLike, data: str | bytes, *, fsync: bool = False) -> Path:

@@ -7,10 +7,12 @@ communication, assuming DeepSpeed overlaps them fully (step = max(compute, comm)
 - compute: `train_step_flops` (3x forward, 4x with activation checkpointing) of the rank's share of the
   global batch, at hardware.peak_tflops x hardware.assumed_mfu;
 - communication per rank by ZeRO stage, ring collectives moving (n-1)/n of a buffer each:
-  stages 0-1 all-reduce the gradients once per step (2 (n-1)/n G); stage 2 reduce-scatters them every
-  micro step and all-gathers the updated parameters once; stage 3 adds a parameter all-gather in
-  forward and in backward of every micro step (1.5x of stage 0-2 without accumulation). The ring runs
-  at hardware.inter_node_gbps when nodes > 1, else hardware.intra_node_gbps (GB/s per GPU).
+  stages 0-1 all-reduce the gradients once per step (2 (n-1)/n G; stage 1 with bf16 and fp32
+  accumulation, DeepSpeed's BF16_Optimizer, then all-gathers the updated parameters: 3 (n-1)/n G);
+  stage 2 reduce-scatters them every micro step and all-gathers the updated parameters once; stage 3
+  adds a parameter all-gather in forward and in backward of every micro step (1.5x of stage 0 and 2
+  without accumulation). The ring runs at hardware.inter_node_gbps when nodes > 1, else
+  hardware.intra_node_gbps (GB/s per GPU).
 Cost is given in GPU-hours and in the paper's unit, TPUv3-core-days, at the same MFU.
 """
 
@@ -20,7 +22,7 @@ import itertools
 from pathlib import Path
 
 from pipeline.data.synthetic import is_synthetic
-from pipeline.plan.memory import BYTES, GiB, ModelShape, memory_per_rank
+from pipeline.plan.memory import BYTES, GiB, ModelShape, fp32_accumulation_path, memory_per_rank
 
 TPU_V3_CORE_TFLOPS = 61.5  # 123 TFLOP/s bf16 per TPUv3 chip, 2 cores per chip
 PAPER_TPU_CORE_DAYS = {"vit_l16": 680.0, "vit_h14": 2500.0}  # Dosovitskiy et al. 2020, Table 2, JFT-300M
@@ -114,7 +116,9 @@ def step_time(cfg, shape: ModelShape) -> dict:
     w = BYTES[e.precision]
     G = shape.params * w  # one full copy of the gradients (or parameters) in the model dtype
     ring = (n - 1) / n
-    if e.zero_stage <= 1:
+    if e.zero_stage == 1 and fp32_accumulation_path(e.precision, 1, offload_optimizer=e.offload_optimizer):
+        volume = 3 * ring * G  # BF16_Optimizer: all-reduce the whole gradient, all-gather the parameters
+    elif e.zero_stage <= 1:
         volume = 2 * ring * G
     elif e.zero_stage == 2:
         volume = ring * G * accum + ring * G
@@ -198,7 +202,8 @@ def parse_sweep(items: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def sweep(config_path, overrides: list[str], axes: list[tuple[str, list[str]]], **plan_kw) -> list[dict]:
+def sweep(config_path, overrides: list[str], axes: list[tuple[str, list[str]]], *, resources=None,
+          **plan_kw) -> list[dict]:
     """One row per combination: its overrides, and the plan's numbers (or why the combination is invalid)."""
     from pipeline.config import ConfigError
 
@@ -207,7 +212,7 @@ def sweep(config_path, overrides: list[str], axes: list[tuple[str, list[str]]], 
         extra = [f"{k}={v}" for k, v in combo]
         row = {"set": dict(combo)}
         try:
-            cfg = load_planned(config_path, overrides + extra)
+            cfg = load_planned(config_path, overrides + extra, resources)
             if combo and any(k == "engine.offload_optimizer" and v == "true" for k, v in combo) \
                     and cfg.engine.zero_stage == 0:
                 raise PlanError("offload needs zero >= 1")
@@ -225,11 +230,13 @@ def sweep(config_path, overrides: list[str], axes: list[tuple[str, list[str]]], 
     return rows
 
 
-def load_planned(config_path, overrides: list[str]):
-    """Load a config and validate it for the planned world size (cluster.nodes x tasks_per_node)."""
+def load_planned(config_path, overrides: list[str], resources=None):
+    """Load a config [+ a resources file] and validate it for the planned world size (cluster.nodes x
+    tasks_per_node)."""
     from pipeline.config import load_config, validate
 
-    cfg = load_config(config_path, overrides, world_size=1)  # every other check, before the world size
+    # every other check, before the world size
+    cfg = load_config(config_path, overrides, world_size=1, resources=resources)
     validate(cfg, world_size=cfg.world_size_planned)
     return cfg
 

@@ -9,12 +9,20 @@ bf16/fp16 models, 4 for fp32; "step" = exists during the optimizer step only):
   2      w P             w P/N                          4P/N         4P/N step, mixed 8P/N
   3      w P/N + small   w P/N                          4P/N         4P/N step, mixed 8P/N
 
-In bf16 stage 2 is 2 + 18/N bytes per parameter, exactly DeepSpeed's own estimator; at stage 3 we count
-20/N where DeepSpeed's estimator says 18/N (+ 4 bytes x the largest layer). Stage 1 under this
-DeepSpeed reduces gradients bucket by bucket into the owned partition, so without accumulation it
-needs what stage 2 needs (they differ in communication). ZeRO-3 keeps tensors below
-`param_persistence_threshold` elements ("small") whole on every rank; CPU offload moves master,
-fp32 grads and Adam states to the host.
+That table is for gradients accumulated in the model's dtype (DeepSpeed's default): in bf16 stage 2
+is then 2 + 18/N bytes per parameter, exactly DeepSpeed's own estimator; at stage 3 we count 20/N
+where DeepSpeed's estimator says 18/N (+ 4 bytes x the largest layer). Stage 1 under this DeepSpeed
+reduces gradients bucket by bucket into the owned partition, so without accumulation it needs what
+stage 2 needs (they differ in communication).
+
+vitp's engine accumulates in fp32 (`data_types.grad_accum_dtype`, see :func:`grad_accum_dtype`),
+which changes the mixed-precision rows: stage 1 runs DeepSpeed's BF16_Optimizer, a whole fp32
+gradient buffer (4P; each bf16 gradient is added to it and freed as backward produces it) that it
+all-reduces through a temporary fp32 copy and its bf16 cast (6P, after backward); stages 2 and 3
+keep the owned gradient partition in fp32 (4P/N) and the step reads it in place (no fp32 copy).
+
+ZeRO-3 keeps tensors below `param_persistence_threshold` elements ("small") whole on every rank;
+CPU offload moves master, fp32 grads and Adam states to the host.
 
 Activations are counted from what autograd saves in a vitp Block (checked against
 `torch.autograd.graph.saved_tensors_hooks` in the tests). Per token of one block, in elements:
@@ -76,13 +84,30 @@ class ModelShape:
                    largest_layer=largest, small_params=small, config=dict(c))
 
 
+def grad_accum_dtype(precision: str, zero_stage: int) -> str:
+    """The dtype gradients accumulate in under vitp's engine (pipeline/train/engine.py writes the same
+    into DeepSpeed's JSON; a test keeps the two equal): fp32, except stage 0 with a bf16/fp16 model,
+    which DeepSpeed runs only in the model's dtype."""
+    return "fp32" if zero_stage >= 1 or precision == "fp32" else precision
+
+
+def fp32_accumulation_path(precision: str, zero_stage: int, grad_accum: str | None = None,
+                           offload_optimizer: bool = False) -> bool:
+    """True where a bf16/fp16 model accumulates its gradients in fp32 (the rows of the module docstring's
+    second paragraph); at stage 1 with bf16 and no offload that is DeepSpeed's BF16_Optimizer."""
+    accum = grad_accum or grad_accum_dtype(precision, zero_stage)
+    return BYTES[precision] != 4 and accum == "fp32" and zero_stage >= 1 and not (
+        zero_stage == 1 and offload_optimizer)
+
+
 def model_states(shape: ModelShape, *, precision: str, zero_stage: int, world_size: int,
                  offload_optimizer: bool = False, offload_params: bool = False,
-                 accumulation: int = 1) -> dict[str, dict[str, float]]:
+                 accumulation: int = 1, grad_accum: str | None = None) -> dict[str, dict[str, float]]:
     """Bytes per rank of each model state, split into {"device": ..., "host": ...}.
 
     Keys: params, grads, master (fp32 copy), fp32_grads (exist during the optimizer step only),
-    optimizer (Adam m and v).
+    optimizer (Adam m and v). ``grad_accum``: the dtype gradients accumulate in (default: what vitp's
+    engine sets, :func:`grad_accum_dtype`; pass the model's dtype for DeepSpeed's default).
     """
     if world_size < 1:
         raise ValueError(f"world size must be >= 1; got {world_size}")
@@ -91,7 +116,13 @@ def model_states(shape: ModelShape, *, precision: str, zero_stage: int, world_si
     w, P, n = BYTES[precision], shape.params, world_size
     mixed = w != 4
     part = P / n
-    if zero_stage == 0:
+    fp32_path = fp32_accumulation_path(precision, zero_stage, grad_accum, offload_optimizer)
+    if fp32_path and zero_stage == 1:  # BF16_Optimizer: whole fp32 gradient buffer, the step reads its slice
+        s = dict(params=w * P, grads=4 * P, master=4 * part, fp32_grads=0, optimizer=8 * part)
+    elif fp32_path:  # stages 2-3: the owned gradient partition is fp32 from the first micro step
+        params = w * P if zero_stage == 2 else w * ((P - shape.small_params) / n + shape.small_params)
+        s = dict(params=params, grads=4 * part, master=4 * part, fp32_grads=0, optimizer=8 * part)
+    elif zero_stage == 0:
         s = dict(params=w * P, grads=w * P, master=4 * P if mixed else 0,
                  fp32_grads=4 * P if mixed else 0, optimizer=8 * P)
     elif zero_stage in (1, 2):
@@ -150,7 +181,8 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, precision: str, che
 def buffer_bytes(shape: ModelShape, *, precision: str, zero_stage: int, world_size: int, backend: str = "cuda",
                  reduce_bucket_size: int = 50_000_000, allreduce_bucket_size: int = 500_000_000,
                  max_live_parameters: int = 1_000_000_000, overlap_comm: bool | None = None,
-                 offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, float]:
+                 offload_optimizer: bool = False, offload_params: bool = False,
+                 grad_accum: str | None = None) -> dict[str, float]:
     """Framework buffers per rank in bytes: gradient buckets, ZeRO-3 gathered parameters, optimizer
     temporaries, CUDA context.
 
@@ -160,6 +192,9 @@ def buffer_bytes(shape: ModelShape, *, precision: str, zero_stage: int, world_si
     stage3_max_live_parameters / max_reuse_distance (1e9) keeps every gathered layer alive through
     forward and backward, so a model under 1e9 parameters is whole on each rank while it runs.
     On CPU torch's AdamW (single-tensor) makes a temporary the size of the tensor it updates.
+    Stage 1 on the fp32-accumulation path (BF16_Optimizer) has no reduce buckets: after backward it
+    all-reduces its fp32 gradient buffer through a flat fp32 copy and its bf16 cast (6P, counted with
+    the optimizer temporaries: it lives after backward, before the step).
     """
     w, P = BYTES[precision], shape.params
     touched = (lambda k: min(k, P)) if backend == "cpu" else (lambda k: k)
@@ -168,6 +203,8 @@ def buffer_bytes(shape: ModelShape, *, precision: str, zero_stage: int, world_si
     out = {"grad_bucket": 0.0, "param_gather": 0.0, "optimizer_temp": 0.0, "context": 0.0}
     if zero_stage == 0:
         out["grad_bucket"] = w * touched(allreduce_bucket_size)  # flattened all-reduce bucket
+    elif zero_stage == 1 and fp32_accumulation_path(precision, 1, grad_accum, offload_optimizer):
+        out["optimizer_temp"] = 6.0 * P
     elif zero_stage in (1, 2):
         out["grad_bucket"] = (2 if overlap_comm else 1) * w * touched(reduce_bucket_size)
     else:
@@ -176,7 +213,7 @@ def buffer_bytes(shape: ModelShape, *, precision: str, zero_stage: int, world_si
         if offload_params:
             out["param_gather"] = 2 * w * shape.largest_layer
     if backend == "cpu":
-        out["optimizer_temp"] = 4.0 * (shape.largest_layer if zero_stage == 0 else P / world_size)
+        out["optimizer_temp"] += 4.0 * (shape.largest_layer if zero_stage == 0 else P / world_size)
     else:
         out["context"] = float(CUDA_CONTEXT)
     if offload_optimizer:
@@ -187,7 +224,8 @@ def buffer_bytes(shape: ModelShape, *, precision: str, zero_stage: int, world_si
 def memory_per_rank(shape: ModelShape, *, precision: str = "bf16", zero_stage: int = 1, world_size: int = 1,
                     micro_batch: int = 32, checkpointing: bool = False, dropout: bool = False,
                     offload_optimizer: bool = False, offload_params: bool = False, backend: str = "cuda",
-                    attention: str = "sdpa", accumulation: int = 1, **buffer_kw) -> dict:
+                    attention: str = "sdpa", accumulation: int = 1, grad_accum: str | None = None,
+                    **buffer_kw) -> dict:
     """The whole breakdown for one rank, in bytes.
 
     Returns {"states": {...}, "activations": {...}, "buffers": {...}, "model_states": device bytes,
@@ -201,12 +239,12 @@ def memory_per_rank(shape: ModelShape, *, precision: str = "bf16", zero_stage: i
         raise ValueError(f"micro batch must be >= 1; got {micro_batch}")
     states = model_states(shape, precision=precision, zero_stage=zero_stage, world_size=world_size,
                           offload_optimizer=offload_optimizer, offload_params=offload_params,
-                          accumulation=accumulation)
+                          accumulation=accumulation, grad_accum=grad_accum)
     acts = activation_bytes(shape, micro_batch=micro_batch, precision=precision, checkpointing=checkpointing,
                             dropout=dropout, attention=attention, backend=backend)
     bufs = buffer_bytes(shape, precision=precision, zero_stage=zero_stage, world_size=world_size,
                         backend=backend, offload_optimizer=offload_optimizer, offload_params=offload_params,
-                        **buffer_kw)
+                        grad_accum=grad_accum, **buffer_kw)
     dev = sum(v["device"] for v in states.values())
     host = sum(v["host"] for v in states.values())
     step_only = states["fp32_grads"]["device"]

@@ -13,6 +13,13 @@ DeepSpeed's own ``latest`` file is not written: it appears before every rank has
 checkpoint exists iff its ``step-*`` folder exists with a manifest (a rename is atomic), so a job
 killed mid-save leaves only a ``tmp-*`` folder that resume ignores and the next save deletes.
 
+Shared file systems: each rank fsyncs the files it wrote before the barrier, rank 0 fsyncs the
+folders around each rename, so a published checkpoint is on stable storage and not only in some
+client's cache. The manifest records every file's size; resume skips (with a one-line warning) a
+checkpoint whose files are missing or of another size and takes the previous complete one. Rank 0
+alone chooses the checkpoint to resume and tells the others: an NFS client's cached listing of
+``checkpoints/`` may lag behind, and ranks that disagree would load different steps.
+
 Our extras are read with torch.load(weights_only=True) and JSON; DeepSpeed reads its own files with
 torch.load(weights_only=False) (deepspeed 0.19.8), so only load checkpoints you wrote.
 """
@@ -22,16 +29,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline.distributed import rank0_print, rank_world, wait_for_rank0
-from pipeline.files import atomic_write, replacing
+from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
+from pipeline.files import atomic_write, fsync_path, replacing
 
 MANIFEST = "manifest.json"
 _PREFIX, _TMP = "step-", "tmp-step-"
@@ -55,13 +64,84 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    ckpts = complete_checkpoints(run_dir)
-    return ckpts[-1] if ckpts else None
+def latest_checkpoint(run_dir: str | os.PathLike, *, warn: bool = True) -> Path | None:
+    """The newest published checkpoint whose files are all there at their recorded sizes; an
+    incomplete newer one is skipped with a one-line warning on stderr."""
+    for ckpt in reversed(complete_checkpoints(run_dir)):
+        problem = incomplete(ckpt)
+        if problem is None:
+            return ckpt
+        if warn:
+            print(f"warning: skipping checkpoint {ckpt}: {problem}", file=sys.stderr, flush=True)
+    return None
+
+
+def resume_choice(run_dir: str | os.PathLike) -> Path | None:
+    """Collective: rank 0's :func:`latest_checkpoint`, on every rank (their own listings may be stale)."""
+    rank = rank_world()[0]
+    mine = latest_checkpoint(run_dir) if rank == 0 else None
+    name = broadcast_from_rank0(mine.name if mine is not None else None)
+    return root(run_dir) / name if name else None
 
 
 def read_manifest(ckpt: str | os.PathLike) -> dict:
     return json.loads((Path(ckpt) / MANIFEST).read_text())
+
+
+def incomplete(ckpt: str | os.PathLike) -> str | None:
+    """Why ``ckpt`` cannot be trusted (a file missing or of another size than the manifest records),
+    or None. Manifests written before sizes were recorded are taken as they are."""
+    ckpt = Path(ckpt)
+    try:
+        sizes = read_manifest(ckpt).get("sizes") or {}
+    except (OSError, ValueError) as e:
+        return f"unreadable {MANIFEST} ({e})"
+    for name, size in sorted(sizes.items()):
+        try:
+            got = (ckpt / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if got != size:
+            return f"{name} has {got} bytes, the manifest recorded {size}"
+    return None
+
+
+def _files(folder: Path) -> dict[str, int]:
+    """Relative path -> size of every file under ``folder``."""
+    out = {}
+    for dirpath, _, names in os.walk(folder):
+        for n in names:
+            p = Path(dirpath) / n
+            out[str(p.relative_to(folder))] = p.stat().st_size
+    return out
+
+
+def written_by(name: str, rank: int) -> bool:
+    """Whether ``rank`` wrote checkpoint file ``name``: DeepSpeed names ZeRO partitions by their
+    data-parallel rank (``*zero_pp_rank_R_*``), our extras are ``vitp_rankR.pt``; the rest (the
+    module file) is rank 0's."""
+    m = re.search(r"(?:pp_rank_|vitp_rank)(\d+)", Path(name).name)
+    return int(m.group(1)) == rank if m else rank == 0
+
+
+def fsync_own_files(folder: Path, rank: int) -> int:
+    """fsync the files this rank wrote into ``folder`` (a client flushes only its own writes);
+    returns how many."""
+    own = [n for n in _files(folder) if written_by(n, rank)]
+    for n in own:
+        fsync_path(folder / n)
+    return len(own)
+
+
+def publish(tmp: Path, final: Path, manifest: dict) -> None:
+    """Rank 0, once every rank's files are on stable storage: record the sizes in the manifest, then
+    rename ``tmp`` to ``final`` and point LATEST at it, each step flushed before the next."""
+    sizes = {n: s for n, s in _files(tmp).items() if n != MANIFEST}
+    doc = dict(manifest, files=sorted(sizes), sizes=sizes)
+    atomic_write(tmp / MANIFEST, json.dumps(doc, indent=1), fsync=True)  # also flushes tmp's entries
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    atomic_write(final.parent / "LATEST", final.name + "\n", fsync=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,14 +249,11 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
         extras["shared"] = shared
     with replacing(tmp / f"vitp_rank{rank}.pt") as part:
         torch.save(extras, part)
+    fsync_own_files(tmp, rank)
     maybe_fault("save", step)
-    wait_for_rank0()  # every rank's files are on disk (a large shard on a slow file system takes minutes)
+    wait_for_rank0()  # every rank's files are on stable storage (a large shard on a slow file system takes minutes)
     if rank == 0:
-        doc = dict(manifest, step=step, world_size=world, saved_at=time.time(),
-                   files=sorted(p.name for p in tmp.iterdir()))
-        atomic_write(tmp / MANIFEST, json.dumps(doc, indent=1), fsync=True)
-        os.replace(tmp, final)
-        atomic_write(r / "LATEST", final.name + "\n", fsync=True)
+        publish(tmp, final, dict(manifest, step=step, world_size=world, saved_at=time.time()))
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
             shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
@@ -197,11 +274,14 @@ def universal_for(ckpt: Path, world: int) -> Path | None:
                            f"(universal conversion needs engine.zero_stage >= 1)")
     out = ckpt.with_name(ckpt.name + ".universal")
     if rank_world()[0] == 0 and not (out / "done").is_file():
+        workers, scratch = eng.conversion_workers(), eng.scratch_dir(out.parent)
         rank0_print(f"checkpoint {ckpt.name} was written by {saved} ranks, resuming on {world}: converting "
-                    f"it to a universal checkpoint (deepspeed.checkpoint.ds_to_universal) in {out.name}")
+                    f"it to a universal checkpoint (deepspeed.checkpoint.ds_to_universal) in {out.name}, "
+                    f"{workers} worker(s), intermediate files in {scratch}")
         shutil.rmtree(out, ignore_errors=True)
-        eng.to_universal(str(ckpt), str(out))
-        (out / "done").write_text("ok\n")
+        for stale in [*out.parent.glob("vitp-universal-*"), *out.parent.glob(".*.universal.tmp")]:
+            shutil.rmtree(stale, ignore_errors=True)  # left by a job killed while converting
+        eng.to_universal(str(ckpt), str(out), workers=workers)
     wait_for_rank0()  # the conversion takes minutes for a large model: longer than NCCL would wait
     return out
 

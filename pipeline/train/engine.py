@@ -74,6 +74,9 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
     e, t = cfg.engine, cfg.train
     zero: dict = {"stage": e.zero_stage}
     if e.zero_stage >= 1:
+        # overlap_comm runs ZeRO-2/3's gradient reduction on a side stream during backward (one host
+        # sync per micro step, at the end of backward); ZeRO-1 under bf16 runs DeepSpeed's
+        # BF16_Optimizer (below), which does not read it
         zero.update(contiguous_gradients=True, overlap_comm=_on_gpu(),
                     reduce_bucket_size=int(5e7), allgather_bucket_size=int(5e7))
     if e.zero_stage == 3:
@@ -89,9 +92,7 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
         "gradient_accumulation_steps": grad_accumulation(cfg, world_size),
         "gradient_clipping": float(cfg.optim.clip_grad),
         "zero_optimization": zero,
-        "bf16": {"enabled": e.precision == "bf16"},
-        "fp16": {"enabled": e.precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
-                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        **_precision(e.precision, e.zero_stage),
         # our optimizer is torch's (DeepSpeed's CPU Adam needs a compiled op)
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
@@ -99,6 +100,33 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def _precision(precision: str, zero_stage: int) -> dict:
+    """DeepSpeed's precision keys (checked against deepspeed 0.19.8's runtime/engine.py,
+    precision_config.py and zero/stage_1_and_2.py).
+
+    - ``data_types.grad_accum_dtype: fp32``: gradients accumulate over micro steps in fp32, not in
+      the model's bf16/fp16 (DeepSpeed's default is the model dtype). With bf16 at ZeRO-1 this makes
+      DeepSpeed use its BF16_Optimizer (a whole fp32 gradient buffer per rank, one all-reduce and one
+      parameter all-gather per optimizer step); at ZeRO-2/3 the owned gradient partition is fp32.
+      Stage 0 takes no mix of bf16 model and fp32 accumulation (DeepSpeed raises): it keeps the model dtype.
+    - ``bf16.check_grad_overflow: false``: bf16 has fp32's exponent range, so no loss scale and no
+      overflow to detect; the check costs an all-reduce and a ``.item()`` (host sync) every step at
+      ZeRO-1/2. (``check_overflow``, also in deepspeed's constants.py, is read nowhere, and the bf16
+      section forbids unknown keys.) A non-finite loss still stops the run (pipeline/train/loop.py).
+    - ``bf16.immediate_grad_update: true``: BF16_Optimizer adds each gradient into the fp32 buffer
+      from a hook as soon as it is produced and frees the bf16 one, instead of one pass over every
+      parameter after backward with both copies alive.
+    """
+    out: dict = {
+        "bf16": {"enabled": precision == "bf16", "immediate_grad_update": True, "check_grad_overflow": False},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+    }
+    if zero_stage >= 1 or precision == "fp32":
+        out["data_types"] = {"grad_accum_dtype": "fp32"}
+    return out
 
 
 def default_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -234,15 +262,70 @@ def saved_world_size(ckpt_dir: str) -> int:
     return max(1, len(glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt"))))
 
 
-def to_universal(ckpt_dir: str, out_dir: str) -> None:
-    """Convert a DeepSpeed checkpoint to the world-size-independent universal format."""
-    from deepspeed.checkpoint import ds_to_universal
+def conversion_workers() -> int:
+    """Processes for a universal-checkpoint conversion: the cores this task may run on (its CPU
+    affinity, which SLURM's binding sets), at most SLURM_CPUS_PER_TASK where SLURM says it."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return max(1, min(n, int(slurm)) if slurm.isdigit() and int(slurm) > 0 else n)
 
-    args = argparse.Namespace(input_folder=ckpt_dir, output_folder=out_dir, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)
-    with _quiet():
-        ds_to_universal.main(args)
+
+def scratch_dir(fallback: str | os.PathLike) -> str:
+    """Node-local scratch for intermediate files: $SLURM_TMPDIR, else $TMPDIR (where they name a
+    writable folder), else ``fallback``."""
+    for var in ("SLURM_TMPDIR", "TMPDIR"):
+        d = os.environ.get(var)
+        if d and os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK):
+            return d
+    return str(fallback)
+
+
+_CONVERT = ("import sys; from deepspeed.checkpoint import ds_to_universal as u; "
+            "sys.argv = ['ds_to_universal', *sys.argv[1:]]; u.main(u.parse_arguments())")
+
+
+def to_universal(ckpt_dir: str, out_dir: str, *, workers: int | None = None) -> dict:
+    """Convert a DeepSpeed checkpoint to the world-size-independent universal format in ``out_dir``,
+    which appears whole (with a ``done`` marker) or not at all. Returns {"workers", "scratch"}.
+
+    A ViT-H checkpoint of 64 ranks is ~75k fragment files: they are written to node-local scratch
+    (:func:`scratch_dir`) by one process per core (:func:`conversion_workers`). The conversion runs
+    in a child process, so its process pool forks a plain interpreter, not a trainer holding process
+    groups and threads. The result is moved beside ``out_dir`` (a copy when scratch is another file
+    system) and renamed into place.
+    """
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from pipeline.files import fsync_path
+
+    workers = workers or conversion_workers()
+    out = os.path.abspath(out_dir)
+    staging = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="vitp-universal-", dir=scratch_dir(os.path.dirname(out))) as work:
+        result = os.path.join(work, "out")
+        argv = [sys.executable, "-c", _CONVERT, "--input_folder", os.path.abspath(ckpt_dir), "--output_folder",
+                result, "--num_extract_workers", str(workers), "--num_merge_workers", str(workers),
+                "--inject_missing_state"]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        if proc.returncode != 0 or os.environ.get("VITP_DS_VERBOSE"):
+            print(proc.stdout + proc.stderr, file=sys.stderr, flush=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{ckpt_dir}: universal checkpoint conversion failed (exit {proc.returncode}); "
+                               "its output is above")
+        with open(os.path.join(result, "done"), "w") as f:
+            f.write("ok\n")
+        shutil.move(result, staging)  # a rename on one file system, else a copy
+    for dirpath, _, names in os.walk(staging):  # the copy is on stable storage before it is published
+        for n in names:
+            fsync_path(os.path.join(dirpath, n))
+        fsync_path(dirpath)
+    os.replace(staging, out)
+    fsync_path(os.path.dirname(out))
+    return {"workers": workers, "scratch": os.path.dirname(work)}
 
 
 def fp32_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
@@ -255,15 +338,35 @@ def fp32_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     if glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with _quiet():  # lazy: shards are memory-mapped, a tensor is joined when asked for
-            lazy = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag, lazy_mode=True)
-            return {k: v.contiguous().float() for k, v in lazy.items()}
+        try:
+            with _quiet():  # lazy: shards are memory-mapped, a tensor is joined when asked for
+                lazy = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag, lazy_mode=True)
+                return {k: v.contiguous().float() for k, v in lazy.items()}
+        except ValueError as e:  # BF16_Optimizer's files (bf16 ZeRO-1): "... is not a zero checkpoint"
+            if "is not a zero checkpoint" not in str(e):
+                raise
+        return _fp32_via_universal(ckpt_dir)
     else:
         files = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt")))
         if not files:
             raise FileNotFoundError(f"{ckpt_dir}: no DeepSpeed model states in this folder")
         sd = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
     return {k: v.detach().float().contiguous() for k, v in sd.items()}
+
+
+def _fp32_via_universal(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """The fp32 master weights of a BF16_Optimizer checkpoint (bf16 ZeRO-1 with fp32 accumulation),
+    which deepspeed 0.19.8's zero_to_fp32 refuses ("is not a zero checkpoint"): its universal
+    conversion writes each parameter whole (``zero/<name>/fp32.pt``), in node-local scratch."""
+    import tempfile
+
+    files = sorted(glob.glob(os.path.join(ckpt_dir, "mp_rank_*_model_states.pt")))
+    names = list(torch.load(files[0], map_location="cpu", weights_only=False)["module"])
+    with tempfile.TemporaryDirectory(prefix="vitp-fp32-", dir=scratch_dir(os.path.dirname(ckpt_dir))) as work:
+        out = os.path.join(work, "universal")
+        to_universal(ckpt_dir, out)
+        return {n: torch.load(os.path.join(out, "zero", n, "fp32.pt"), map_location="cpu",
+                              weights_only=False)["param"].float().contiguous() for n in names}
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import torch
 from pipeline import data as data_lib
 from pipeline.config import Config, flatten, to_yaml, write_resolved
 from pipeline.data.loader import check_splits
-from pipeline.distributed import all_reduce, rank0_print, rank_world, wait_for_rank0
+from pipeline.distributed import all_reduce, broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval.classify import classify, classify_multilabel
 from pipeline.eval.figures import loss_curve_png
 from pipeline.files import atomic_write, read_jsonl
@@ -85,12 +85,12 @@ class Finished:
 def prepare_run_dir(cfg: Config, rank: int) -> Path | None:
     """The checkpoint to resume from, if any; refuses to reuse a foreign non-empty run dir.
 
-    Every rank decides the same from the shared filesystem; only rank 0 deletes (run.fresh=true).
+    Collective: rank 0 decides from its view of the shared file system and every rank follows it (another
+    rank's cached listing may be stale); only rank 0 deletes (run.fresh=true).
     """
     import shutil
 
     run_dir = Path(cfg.run.dir)
-    latest = ckpt_lib.latest_checkpoint(run_dir)
     entries = [p.name for p in run_dir.iterdir() if not p.name.startswith(".owner")] if run_dir.is_dir() else []
     if cfg.run.fresh:
         wait_for_rank0()  # everyone has looked before rank 0 deletes
@@ -101,10 +101,12 @@ def prepare_run_dir(cfg: Config, rank: int) -> Path | None:
                 (run_dir / name).unlink(missing_ok=True)
         wait_for_rank0()
         return None
+    latest = ckpt_lib.resume_choice(run_dir)
     if latest is not None:
         return latest
     ours = run_dir / "config.yaml"
-    if entries and not (ours.is_file() and ours.read_text() == to_yaml(cfg)):
+    foreign = rank == 0 and entries and not (ours.is_file() and ours.read_text() == to_yaml(cfg))
+    if broadcast_from_rank0(bool(foreign)):
         raise RunDirError(f"run.dir {run_dir} is not empty and holds no complete checkpoint of this config; "
                           "pass run.fresh=true to start over there, or choose another run.dir")
     return None  # empty, or an earlier attempt of this very run that died before its first checkpoint

@@ -47,6 +47,33 @@ def test_deepspeed_config_precision_offload_and_world():
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_precision_keys_per_stage(stage, precision):
+    """Gradients accumulate in fp32 wherever DeepSpeed allows it (stage 0 takes no bf16/fp16 model with
+    fp32 accumulation); bf16 runs without overflow checks and adds gradients to the fp32 buffer as they
+    come (the knobs' names as deepspeed 0.19.8 reads them: a wrong key in the bf16 section is an error)."""
+    from deepspeed.runtime.config import DtypeEnum
+    from deepspeed.runtime.precision_config import get_bfloat16_config
+
+    from pipeline.train.engine import deepspeed_config
+
+    cfg = cfg_with(f"engine.zero_stage={stage}", f"engine.precision={precision}")
+    ds = deepspeed_config(cfg, world_size=2)
+    assert ds["bf16"] == {"enabled": precision == "bf16", "immediate_grad_update": True,
+                          "check_grad_overflow": False}
+    assert ds["fp16"]["enabled"] is (precision == "fp16")
+    fp32_accum = stage >= 1 or precision == "fp32"
+    assert ds.get("data_types") == ({"grad_accum_dtype": "fp32"} if fp32_accum else None)
+    # DeepSpeed's own parser takes the bf16 keys (pydantic, unknown keys forbidden) and the dtype name
+    bf16 = get_bfloat16_config(ds)
+    assert (bf16.immediate_grad_update, bf16.check_grad_overflow) == (True, False)
+    with pytest.raises(ValueError, match="check_overflow"):  # the name in deepspeed's constants.py is dead
+        get_bfloat16_config({"bf16": {"enabled": True, "check_overflow": False}})
+    if fp32_accum:
+        assert DtypeEnum(ds["data_types"]["grad_accum_dtype"]).value == torch.float32
+
+
 def test_default_param_groups_skip_decay_on_norms_biases_embeddings():
     from pipeline.model import build_vit
     from pipeline.train.engine import default_param_groups
@@ -204,3 +231,73 @@ def test_train_compile_compiles_each_block_and_keeps_the_numbers():
     b.sum().backward()
     torch.testing.assert_close(compiled.blocks[0].mlp.fc1.weight.grad, eager.blocks[0].mlp.fc1.weight.grad,
                                rtol=1e-4, atol=1e-5)
+
+
+_KNOBS = """
+import json, os, sys, torch, torch.nn.functional as F
+from pipeline.config import load_config
+from pipeline.distributed import free_port
+from pipeline.model import build_vit
+from pipeline.train import engine
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+stage = int(sys.argv[1])
+cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic", f"engine.zero_stage={stage}",
+                  "engine.precision=bf16", "train.global_batch=8", "train.micro_batch=4"], world_size=1)
+torch.manual_seed(0)
+eng = engine.build_engine(build_vit(width=16, depth=1, heads=2, mlp_dim=32, patch=4, img_size=8, num_classes=3), cfg)
+opt, out = eng.optimizer, {}
+overflow_checks = []
+if hasattr(opt, "has_overflow"):
+    real = opt.has_overflow
+    opt.has_overflow = lambda *a, **k: overflow_checks.append(1) or real(*a, **k)
+x, y = torch.randn(4, 3, 8, 8, dtype=torch.bfloat16), torch.tensor([0, 1, 2, 0])
+for _ in range(2):  # two micro steps = one optimizer step (accumulation 2)
+    eng.backward(F.cross_entropy(eng(x).float(), y))
+    if not out.get("bf16_grads_after_backward"):
+        out["bf16_grads_after_backward"] = sum(p.grad is not None for p in eng.module.parameters())
+    eng.step()
+# where each optimizer accumulates: BF16_Optimizer's whole buffer, stage 3's partition buffer, stage 2's dtype
+flat = getattr(opt, "fp32_groups_gradients_flat", None) or [getattr(opt, "grad_partitions_flat_buffer", None)]
+buffer = flat[0].dtype if flat[0] is not None else getattr(opt, "gradient_accumulation_dtype", None)
+out.update(optimizer=type(opt).__name__, accum_dtype=str(eng.get_data_types()[1]), buffer_dtype=str(buffer),
+           immediate=getattr(opt, "immediate_grad_update", None), check=getattr(opt, "check_grad_overflow", None),
+           overflow_checks=len(overflow_checks), norm=engine.grad_norm(eng))
+# the consolidated fp32 weights of a saved checkpoint are the optimizer's fp32 master weights, bit for bit
+# (bf16 ZeRO-1's BF16_Optimizer files are not read by zero_to_fp32: they go through a universal conversion)
+import tempfile
+from deepspeed.utils import safe_get_full_fp32_param
+with tempfile.TemporaryDirectory() as d:
+    engine.save_checkpoint(eng, d, "step-2")
+    sd = engine.fp32_state_dict(os.path.join(d, "step-2"))
+    out["files"] = sorted(os.listdir(os.path.join(d, "step-2")))
+master = {n: safe_get_full_fp32_param(p).detach().float() for n, p in eng.module.named_parameters()}
+out["fp32_exact"] = sd.keys() == master.keys() and all(torch.equal(sd[n], master[n]) for n in master)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_knobs_do_what_the_config_says(stage):
+    """The generated keys, in a real (1-rank, CPU) DeepSpeed engine: ZeRO-1 bf16 runs BF16_Optimizer with
+    an fp32 gradient buffer filled from hooks (no bf16 gradient left after backward); ZeRO-2 never runs
+    its overflow check; ZeRO-2/3 keep the gradient partition in fp32. Each stage's checkpoint consolidates
+    to its fp32 master weights. One engine per process (DeepSpeed keeps its groups in module globals)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _KNOBS, str(stage)], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    r = json.loads(line[-1][len("RESULT "):])
+    assert r["accum_dtype"] == "torch.float32" and r["buffer_dtype"] == "torch.float32"
+    assert r["norm"] > 0 and r["norm"] == r["norm"]
+    assert r["fp32_exact"], r["files"]
+    if stage == 1:
+        assert r["optimizer"] == "BF16_Optimizer" and r["immediate"] is True
+        assert r["bf16_grads_after_backward"] == 0  # each was added to the fp32 buffer and freed in backward
+    elif stage == 2:
+        assert r["optimizer"] == "DeepSpeedZeroOptimizer" and r["check"] is False and r["overflow_checks"] == 0
+    else:
+        assert r["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"

@@ -209,3 +209,28 @@ def test_class_token_logits_skip_the_last_blocks_other_tokens(ckpt):
         err = (g_fast[n] - p.grad).abs().max()  # float rounding: ~5e-7 of the largest entry
         assert err <= 1e-5 * p.grad.abs().max() + 1e-7, (n, err)
     assert m.forward_features(x, first_token_only=True).shape == (4, 1, 64)
+
+
+def test_key_bias_gets_only_round_off_and_changes_nothing():
+    """Softmax ignores a constant added to every key's score, and a key bias adds q.b_k to all of a
+    query's scores: the key third of qkv.bias has zero true gradient and no effect on any output. Kept
+    anyway (timm and big_vision carry it; their checkpoints load and export unchanged); the ZeRO
+    stage test compares it by effect (tests/integration/test_pretrain.py::key_bias)."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    m = build_vit(width=64, depth=4, heads=4, mlp_dim=128, patch=4, img_size=32, num_classes=10,
+                  representation_size=64)
+    with torch.no_grad():
+        m.head.weight.normal_(0, 0.02)  # the zero-initialised head would give every block a zero gradient
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    F.cross_entropy(m(x), y).backward()
+    for blk in m.blocks:
+        q, k, v = blk.attn.qkv.bias.grad.abs().chunk(3)
+        assert k.max() < 1e-6 * min(q.max(), v.max()), (k.max(), q.max(), v.max())  # round-off only
+    m.eval()
+    with torch.no_grad():
+        before = m(x)
+        for blk in m.blocks:
+            blk.attn.qkv.bias[64:128] += torch.randn(64)  # any key bias at all
+        torch.testing.assert_close(m(x), before, rtol=1e-5, atol=1e-6)

@@ -36,17 +36,49 @@ def test_vit_b16_fp32_stage0_is_16_bytes_per_param():
 
 
 def test_mixed_precision_bytes_per_param(shapes):
+    """DeepSpeed's default (gradients accumulate in bf16)."""
     sh, n = shapes["vit_l16"], 8
     P = sh.params
-    assert _device(model_states(sh, precision="bf16", zero_stage=0, world_size=n)) == 20 * P
+    kw = dict(precision="bf16", world_size=n, grad_accum="bf16")
+    assert _device(model_states(sh, zero_stage=0, **kw)) == 20 * P
     # DeepSpeed reduces stage-1 grads into the owned partition unless they must accumulate
-    assert _device(model_states(sh, precision="bf16", zero_stage=1, world_size=n)) == pytest.approx(2 * P + 18 * P / n)
-    assert _device(model_states(sh, precision="bf16", zero_stage=1, world_size=n, accumulation=4)) == \
-        pytest.approx(4 * P + 16 * P / n)
-    assert _device(model_states(sh, precision="bf16", zero_stage=2, world_size=n)) == pytest.approx(2 * P + 18 * P / n)
-    off = model_states(sh, precision="bf16", zero_stage=2, world_size=n, offload_optimizer=True)
+    assert _device(model_states(sh, zero_stage=1, **kw)) == pytest.approx(2 * P + 18 * P / n)
+    assert _device(model_states(sh, zero_stage=1, accumulation=4, **kw)) == pytest.approx(4 * P + 16 * P / n)
+    assert _device(model_states(sh, zero_stage=2, **kw)) == pytest.approx(2 * P + 18 * P / n)
+    off = model_states(sh, zero_stage=2, offload_optimizer=True, **kw)
     assert _device(off) == 2 * P
     assert sum(v["host"] for v in off.values()) == pytest.approx(16 * P / n)
+
+
+def test_fp32_accumulation_bytes_per_param(shapes):
+    """vitp's engine (fp32 accumulation): stage 1 bf16 is BF16_Optimizer, a whole fp32 gradient buffer
+    (2 + 4 + 12/N) and a 6P all-reduce temporary after backward; stages 2-3 hold the owned gradient
+    partition in fp32 and step on it in place (2 + 16/N, 2/N + 16/N + small)."""
+    sh, n = shapes["vit_l16"], 8
+    P = sh.params
+    z1 = memory_per_rank(sh, precision="bf16", zero_stage=1, world_size=n, micro_batch=1)
+    assert z1["model_states"] == pytest.approx(6 * P + 12 * P / n)
+    assert z1["buffers"]["optimizer_temp"] == 6 * P and z1["buffers"]["grad_bucket"] == 0
+    assert _device(model_states(sh, precision="bf16", zero_stage=2, world_size=n)) == pytest.approx(2 * P + 16 * P / n)
+    z3 = _device(model_states(sh, precision="bf16", zero_stage=3, world_size=n))
+    assert z3 == pytest.approx(18 * (P - sh.small_params) / n + 2 * sh.small_params + 16 * sh.small_params / n)
+    # fp32 models are unchanged (accumulating in fp32 is what they did anyway)
+    for stage in (0, 1, 2, 3):
+        assert model_states(sh, precision="fp32", zero_stage=stage, world_size=n) == \
+            model_states(sh, precision="fp32", zero_stage=stage, world_size=n, grad_accum="fp32")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_plan_counts_the_accumulation_dtype_the_engine_writes(precision):
+    from pipeline.config import load_config
+    from pipeline.plan.memory import grad_accum_dtype
+    from pipeline.train.engine import deepspeed_config
+
+    for stage in (0, 1, 2, 3):
+        cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic", f"engine.zero_stage={stage}",
+                                                            f"engine.precision={precision}"], world_size=2)
+        ds = deepspeed_config(cfg, world_size=2)
+        assert ds.get("data_types", {}).get("grad_accum_dtype", precision) == grad_accum_dtype(precision, stage)
 
 
 def test_more_ranks_less_memory_under_zero3_not_under_stage0(shapes):
@@ -82,16 +114,19 @@ def test_model_states_agree_with_deepspeed_estimators(shapes, variant, gpus, nod
     P, live = sh.params, 4 * sh.largest_layer
     for offload in (False, True):
         _, ds2 = s12.estimate_zero2_model_states_mem_needs(P, gpus, nodes, cpu_offload=offload)
-        ours2 = _device(model_states(sh, precision="bf16", zero_stage=2, world_size=n, offload_optimizer=offload))
+        # DeepSpeed's estimators assume its default, gradients accumulated in the model's dtype
+        ours2 = _device(model_states(sh, precision="bf16", zero_stage=2, world_size=n, offload_optimizer=offload,
+                                     grad_accum="bf16"))
         assert ours2 == pytest.approx(ds2, rel=0.01), (variant, n, offload)
         _, ds3, _ = s3.estimate_zero3_model_states_mem_needs(P, sh.largest_layer, gpus, nodes, cpu_offload=offload,
                                                              cpu_offload_params=False)
-        ours3 = _device(model_states(sh, precision="bf16", zero_stage=3, world_size=n, offload_optimizer=offload))
+        ours3 = _device(model_states(sh, precision="bf16", zero_stage=3, world_size=n, offload_optimizer=offload,
+                                     grad_accum="bf16"))
         assert ours3 + live == pytest.approx(ds3, rel=0.03 if offload else 0.12), (variant, n, offload)
     _, ds3p, _ = s3.estimate_zero3_model_states_mem_needs(P, sh.largest_layer, gpus, nodes, cpu_offload=True,
                                                           cpu_offload_params=True)
     ours3p = model_states(sh, precision="bf16", zero_stage=3, world_size=n, offload_optimizer=True,
-                          offload_params=True)
+                          offload_params=True, grad_accum="bf16")
     assert _device(ours3p) + live == pytest.approx(ds3p, rel=0.01)
 
 

@@ -163,10 +163,12 @@ def main(argv: list[str] | None = None) -> None:
               f"cpu-time ratios {c_ours / c_ref:.3f}, same work {c_full / c_ref:.3f}; logits agree to {diff:.1e}")
         print(f"ratio train_step_vs_timm_{name} {t_ours / t_ref:.3f}")
         print(f"ratio train_step_vs_timm_same_work_{name} {t_full / t_ref:.3f}")
-        (t_pd, _), (t_pd_full, _), (t_ref_pd, _) = t["vitp_pd"], t["vitp_pd_all_tokens"], t["timm_pd"]
+        (t_pd, c_pd), (t_pd_full, c_pd_full), (t_ref_pd, c_ref_pd) = t["vitp_pd"], t["vitp_pd_all_tokens"], t["timm_pd"]
         print(f"# {name} patch_drop {PATCH_DROP}: vitp {t_pd * 1e3:.1f} ms  vitp all tokens {t_pd_full * 1e3:.1f} ms  "
               f"timm {t_ref_pd * 1e3:.1f} ms; per-round ratio quartiles: vs full {spread(raw, 'vitp_pd', 'vitp')}, "
-              f"vs timm {spread(raw, 'vitp_pd', 'timm_pd')}, same work {spread(raw, 'vitp_pd_all_tokens', 'timm_pd')}")
+              f"vs timm {spread(raw, 'vitp_pd', 'timm_pd')}, same work {spread(raw, 'vitp_pd_all_tokens', 'timm_pd')}; "
+              f"cpu-time ratios: vs full {c_pd / c_ours:.3f}, vs timm {c_pd / c_ref_pd:.3f}, "
+              f"same work {c_pd_full / c_ref_pd:.3f}")
         print(f"ratio train_step_patchdrop50_vs_full_{name} {t_pd / t_ours:.3f}")
         print(f"ratio train_step_patchdrop50_vs_timm_{name} {t_pd / t_ref_pd:.3f}")
         print(f"ratio train_step_patchdrop50_vs_timm_same_work_{name} {t_pd_full / t_ref_pd:.3f}")

@@ -253,3 +253,27 @@ def test_plan_sweep_over_patch_drop():
     assert rows[2]["invalid"].startswith("model.patch_drop:")
     assert math.isclose(rows[1]["step_s"] / rows[0]["step_s"], rows[1]["gpu_hours"] / rows[0]["gpu_hours"])
     assert "patch_drop" in format_sweep(rows).splitlines()[0]
+
+
+@pytest.mark.slow
+def test_train_compile_with_patch_drop_and_the_switch_to_every_patch():
+    """Compiled blocks (train.compile, real inductor on the CPU) on the kept tokens, then on every patch
+    (after train.patch_drop_until): the same logits and gradients as eager."""
+    from pipeline.train.engine import compile_blocks
+
+    torch.manual_seed(0)
+    eager, compiled = build_vit(**TINY).train(), build_vit(**TINY).train()
+    with torch.no_grad():
+        eager.head.weight.normal_()  # zero-initialised: gradients would not reach the blocks
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_blocks(compiled, load_config("configs/pretrain/tiny_cpu.yaml", ["train.compile=true"])) == 2
+    x = torch.randn(3, 3, 16, 16)
+    for keep in (draw_keep(3, 16, 0.5, torch.Generator().manual_seed(0)),
+                 draw_keep(3, 16, 0.5, torch.Generator().manual_seed(1)), None):
+        a, b = eager(x, keep=keep), compiled(x, keep=keep)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+        a.logsumexp(-1).sum().backward()
+        b.logsumexp(-1).sum().backward()
+        grad = eager.blocks[0].mlp.fc1.weight.grad
+        assert grad.abs().max() > 0
+        torch.testing.assert_close(compiled.blocks[0].mlp.fc1.weight.grad, grad, rtol=1e-4, atol=1e-5)

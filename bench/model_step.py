@@ -10,7 +10,16 @@ medians (vitp / timm, < 1 is faster):
   ratio train_step_vs_timm_same_work_<config>  vitp computing every token in every block, as timm does
                                                (like for like: the speed of the same computation)
 
-and the S/16 ones also as the headlines `ratio train_step_vs_timm` and `..._same_work`.
+and the S/16 ones also as the headlines `ratio train_step_vs_timm` and `..._same_work`. Patch dropping
+at 0.5 (model.patch_drop; each step draws its kept patches as the training loop does, and that draw
+is part of the timed step), in the same interleaved rounds:
+
+  ratio train_step_patchdrop50_vs_full_<config>  vitp at patch_drop=0.5 / vitp at 0 (goal <= 0.60)
+  ratio train_step_patchdrop50_vs_timm_<config>  vitp at 0.5 / timm's VisionTransformer(patch_drop_rate=0.5)
+                                                 (the same kept-token count; vitp as users run it)
+  ratio train_step_patchdrop50_vs_timm_same_work_<config>   vitp computing every kept token in every block
+
+with the S/16 ones also as the headlines `ratio train_step_patchdrop50_vs_full` and `..._vs_timm`.
 
     python bench/model_step.py                 # S/16 224 px batch 8 and a small config, 2 threads
     python bench/model_step.py --compile       # + torch.compile(vitp) vs eager vitp (small config)
@@ -28,7 +37,9 @@ import timm
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.model import build_vit, vitp_to_timm  # noqa: E402
+from pipeline.model import build_vit, draw_keep, vitp_to_timm  # noqa: E402
+
+PATCH_DROP = 0.5
 
 CONFIGS = {
     # name: (build_vit kwargs, batch)
@@ -39,11 +50,11 @@ CONFIGS = {
 }
 
 
-def timm_twin(cfg: dict) -> torch.nn.Module:
+def timm_twin(cfg: dict, patch_drop_rate: float = 0.0) -> torch.nn.Module:
     return timm.models.vision_transformer.VisionTransformer(
         img_size=cfg["img_size"], patch_size=cfg["patch"], embed_dim=cfg["width"],
         depth=cfg["depth"], num_heads=cfg["heads"], mlp_ratio=cfg["mlp_dim"] / cfg["width"],
-        num_classes=cfg["num_classes"], global_pool="token")
+        num_classes=cfg["num_classes"], global_pool="token", patch_drop_rate=patch_drop_rate)
 
 
 class AllTokens(torch.nn.Module):
@@ -53,17 +64,27 @@ class AllTokens(torch.nn.Module):
         super().__init__()
         self.vit = vit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.vit.forward_head(self.vit.forward_features(x, first_token_only=False))
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        return self.vit.forward_head(self.vit.forward_features(x, first_token_only=False, keep=keep))
 
 
-def make_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+def make_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, patch_drop: float = 0.0):
+    """One training step of ``model``; with ``patch_drop`` each step draws its kept patches (vitp's
+    ``keep`` argument, from a seeded generator, as the training loop does)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    vit = getattr(model, "vit", model)
+    gen = torch.Generator().manual_seed(0)
+
+    def forward() -> torch.Tensor:
+        if not patch_drop:
+            return model(x)
+        keep = draw_keep(len(x), vit.patch_grid[0] * vit.patch_grid[1], patch_drop, gen)
+        return model(x, keep=keep)
 
     def step() -> tuple[float, float]:
         """(wall seconds, process CPU seconds) of one step."""
         t0, c0 = time.perf_counter(), time.process_time()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = torch.nn.functional.cross_entropy(forward(), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -72,9 +93,10 @@ def make_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
     return step
 
 
-def interleaved(steps: dict, rounds: int, warmup: int) -> dict[str, tuple[float, float]]:
+def interleaved(steps: dict, rounds: int, warmup: int, raw: dict | None = None) -> dict[str, tuple[float, float]]:
     """name -> (median wall seconds, median CPU seconds) of one step, over ``rounds`` rounds that each
-    run every step once, in an order rotated by one every round, after ``warmup`` such rounds."""
+    run every step once, in an order rotated by one every round, after ``warmup`` such rounds.
+    ``raw``, if given, receives name -> every round's wall seconds."""
     names = list(steps)
     for _ in range(warmup):
         for n in names:
@@ -83,7 +105,15 @@ def interleaved(steps: dict, rounds: int, warmup: int) -> dict[str, tuple[float,
     for i in range(rounds):
         for n in names[i % len(names):] + names[:i % len(names)]:
             times[n].append(steps[n]())
+    if raw is not None:
+        raw.update({n: [t[0] for t in ts] for n, ts in times.items()})
     return {n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for n, ts in times.items()}
+
+
+def spread(raw: dict, num: str, den: str) -> str:
+    """Quartiles of the per-round ratios num/den (both ran in the same round): 'q1-q3'."""
+    q = statistics.quantiles([a / b for a, b in zip(raw[num], raw[den])], n=4)
+    return f"{q[0]:.3f}-{q[2]:.3f}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,17 +145,38 @@ def main(argv: list[str] | None = None) -> None:
             diff = max((o - outs[2]).abs().max().item() for o in outs[:2])
         if diff > 1e-3 * outs[2].abs().max().item():
             sys.exit(f"bench: vitp and timm logits differ by {diff:.2e}; the comparison would be unequal")
+        # patch dropping: copies with the same weights (each model keeps its own optimizer state)
+        ours_pd, full_pd, ref_pd = build_vit(**cfg).train(), build_vit(**cfg).train(), \
+            timm_twin(ours.config, PATCH_DROP).train()
+        for m in (ours_pd, full_pd):
+            m.load_state_dict(ours.state_dict())
+        ref_pd.load_state_dict(ref.state_dict())
+        full_pd = AllTokens(full_pd)
         t = interleaved({"vitp": make_step(ours, x, y), "vitp_all_tokens": make_step(full, x, y),
-                         "timm": make_step(ref, x, y)}, args.steps, args.warmup)
+                         "timm": make_step(ref, x, y),
+                         "vitp_pd": make_step(ours_pd, x, y, PATCH_DROP),
+                         "vitp_pd_all_tokens": make_step(full_pd, x, y, PATCH_DROP),
+                         "timm_pd": make_step(ref_pd, x, y)}, args.steps, args.warmup, raw := {})
         (t_ours, c_ours), (t_full, c_full), (t_ref, c_ref) = t["vitp"], t["vitp_all_tokens"], t["timm"]
         print(f"# {name}: vitp {t_ours * 1e3:.1f} ms  vitp all tokens {t_full * 1e3:.1f} ms  "
               f"timm {t_ref * 1e3:.1f} ms (batch {batch}, median of {args.steps} rounds); "
               f"cpu-time ratios {c_ours / c_ref:.3f}, same work {c_full / c_ref:.3f}; logits agree to {diff:.1e}")
         print(f"ratio train_step_vs_timm_{name} {t_ours / t_ref:.3f}")
         print(f"ratio train_step_vs_timm_same_work_{name} {t_full / t_ref:.3f}")
+        (t_pd, c_pd), (t_pd_full, c_pd_full), (t_ref_pd, c_ref_pd) = t["vitp_pd"], t["vitp_pd_all_tokens"], t["timm_pd"]
+        print(f"# {name} patch_drop {PATCH_DROP}: vitp {t_pd * 1e3:.1f} ms  vitp all tokens {t_pd_full * 1e3:.1f} ms  "
+              f"timm {t_ref_pd * 1e3:.1f} ms; per-round ratio quartiles: vs full {spread(raw, 'vitp_pd', 'vitp')}, "
+              f"vs timm {spread(raw, 'vitp_pd', 'timm_pd')}, same work {spread(raw, 'vitp_pd_all_tokens', 'timm_pd')}; "
+              f"cpu-time ratios: vs full {c_pd / c_ours:.3f}, vs timm {c_pd / c_ref_pd:.3f}, "
+              f"same work {c_pd_full / c_ref_pd:.3f}")
+        print(f"ratio train_step_patchdrop50_vs_full_{name} {t_pd / t_ours:.3f}")
+        print(f"ratio train_step_patchdrop50_vs_timm_{name} {t_pd / t_ref_pd:.3f}")
+        print(f"ratio train_step_patchdrop50_vs_timm_same_work_{name} {t_pd_full / t_ref_pd:.3f}")
         if name == "s16":
             print(f"ratio train_step_vs_timm {t_ours / t_ref:.3f}")
             print(f"ratio train_step_vs_timm_same_work {t_full / t_ref:.3f}")
+            print(f"ratio train_step_patchdrop50_vs_full {t_pd / t_ours:.3f}")
+            print(f"ratio train_step_patchdrop50_vs_timm {t_pd / t_ref_pd:.3f}")
     if args.compile:
         cfg, batch = CONFIGS[args.compile_config]
         torch.manual_seed(0)

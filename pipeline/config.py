@@ -70,6 +70,7 @@ class ModelCfg:
     attn_dropout: float = _f(0.0, lo=0.0, hi=1.0)
     drop_path: float = _f(0.0, lo=0.0, hi=1.0)
     grad_checkpointing: bool = False
+    patch_drop: float = _f(0.0, lo=0.0)  # fraction of patch tokens dropped per training image (< 1); 0: off
 
 
 @dataclass
@@ -119,6 +120,7 @@ class TrainCfg:
     eval_every: int = _f(0, lo=0)  # 0: only at the end
     fewshot_every: int = _f(0, lo=0)  # few-shot evaluators (eval.fewshot_data); 0: only at the end
     compile: bool | None = None  # torch.compile each block; None: on GPUs, off on CPU (it does not pay there)
+    patch_drop_until: int | None = _f(None, lo=0)  # steps after this one see every patch; None: drop to the end
 
 
 @dataclass
@@ -448,6 +450,8 @@ def validate(cfg: Config, *, world_size: int | None = None) -> None:
         raise ConfigError(f"model.heads: width {m.width} is not divisible by {m.heads} heads")
     if not m.class_token and m.pool == "token":
         raise ConfigError("model.pool: 'token' pooling needs model.class_token=true (use pool=gap)")
+    if m.patch_drop >= 1:
+        raise ConfigError(f"model.patch_drop: a fraction of patches in [0, 1) (0 = off); got {m.patch_drop}")
     if len(cfg.data.crop_scale) != 2 or not 0 < cfg.data.crop_scale[0] <= cfg.data.crop_scale[1] <= 1:
         raise ConfigError(f"data.crop_scale: need [lo, hi] with 0 < lo <= hi <= 1; got {cfg.data.crop_scale}")
     if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.data.loader import check_splits
 from pipeline.distributed import rank0_print
 from pipeline.eval.classify import evaluate_model, write_results
@@ -29,6 +29,9 @@ from pipeline.weights import build_from_source, load_model, source_lineage
 
 def transfer(cfg: Config) -> Result:
     """Fine-tune from cfg.init.from; the final metrics also go to RUN_DIR/results.json and MLflow."""
+    if cfg.model.patch_drop:
+        raise ConfigError(f"model.patch_drop: {cfg.model.patch_drop} is for pre-training; transfer fine-tunes "
+                          "on every patch (set it to 0)")
     report = None
 
     def build(num_classes: int):

@@ -4,6 +4,9 @@ Convention of torch.utils.flop_counter: a multiply-add is 2 FLOPs, only matmuls 
 count (norms, softmax, GELU, biases are noise at ViT sizes). Attention counts QK^T and AV,
 2 * 2 * T^2 * D per block. Note that FlopCounterMode itself counts 0 for the CPU flash-attention
 kernel; on the meta device or with the math SDPA backend it agrees with these numbers.
+
+With patch dropping (``patch_drop``) the patch embedding still runs on the whole image, and the
+blocks on the class token plus the kept patches (``kept_patches``): the tokens actually computed.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline.model.vit import VARIANTS
+from pipeline.model.vit import VARIANTS, kept_patches
 
 
 def _config(model_or_config: torch.nn.Module | Mapping[str, Any] | str) -> dict[str, Any]:
@@ -51,10 +54,11 @@ def _stem_flops(layers: tuple[int, ...], width: int, cin: int, h: int, w: int):
 
 
 def vit_forward_flops(model_or_config: torch.nn.Module | Mapping[str, Any] | str,
-                      batch: int = 1, features: bool = False) -> int:
+                      batch: int = 1, features: bool = False, patch_drop: float = 0.0) -> int:
     """Forward FLOPs of `batch` images for a ViT model, its config dict or a variant name: of
     ``model(x)`` (with a class-token head the last block computes token 0 only), or of
-    ``forward_features(x)`` (every token through every block) with ``features=True``."""
+    ``forward_features(x)`` (every token through every block) with ``features=True``;
+    ``patch_drop``: of a training forward that keeps ``kept_patches(N, patch_drop)`` patches."""
     cfg = _config(model_or_config)
     d, depth = int(cfg["width"]), int(cfg["depth"])
     mlp = int(cfg.get("mlp_dim") or 4 * d)
@@ -68,8 +72,8 @@ def vit_forward_flops(model_or_config: torch.nn.Module | Mapping[str, Any] | str
                                       cin, h, w)
         flops += stem
     n = (h // patch) * (w // patch)
-    t = n + (1 if cfg.get("class_token", True) else 0)
-    flops += 2 * n * d * cin * patch * patch  # patch embedding
+    flops += 2 * n * d * cin * patch * patch  # patch embedding: every patch, dropping comes after it
+    t = (kept_patches(n, patch_drop) if patch_drop else n) + (1 if cfg.get("class_token", True) else 0)
     per_block = 2 * t * (3 * d * d + d * d + 2 * d * mlp) + 4 * t * t * d
     if features or cfg.get("pool", "token") != "token":
         return (flops + depth * per_block) * batch
@@ -85,9 +89,10 @@ def vit_forward_flops(model_or_config: torch.nn.Module | Mapping[str, Any] | str
 
 
 def train_step_flops(model_or_config: torch.nn.Module | Mapping[str, Any] | str, batch: int = 1,
-                     grad_checkpointing: bool | None = None) -> int:
+                     grad_checkpointing: bool | None = None, patch_drop: float = 0.0) -> int:
     """FLOPs of one forward + backward: 3x forward (backward is 2x), 4x with activation
-    checkpointing (the forward is run again in backward). None reads it from the model."""
+    checkpointing (the forward is run again in backward). None reads it from the model.
+    ``patch_drop``: the fraction of patches a training step drops (model.patch_drop)."""
     if grad_checkpointing is None:
         grad_checkpointing = bool(getattr(model_or_config, "grad_checkpointing", False))
-    return (4 if grad_checkpointing else 3) * vit_forward_flops(model_or_config, batch)
+    return (4 if grad_checkpointing else 3) * vit_forward_flops(model_or_config, batch, patch_drop=patch_drop)

@@ -15,6 +15,11 @@ With the class-token head, ``model(x)`` runs token 0 alone through the last bloc
 projection and MLP (every token still supplies keys and values): the logits and all gradients are
 those of the full computation, for ~1/depth less work (ViT-B/16: 32.7 instead of 35.1 GFLOPs).
 ``forward_features`` still returns every token.
+
+Patch dropping (FLIP, Li et al. 2023; PatchDropout, Liu et al. 2023): ``model(x, keep=idx)`` with
+``idx: [B, K]`` patch indices (``draw_keep``) runs the blocks on the class token and those K patch
+tokens only; the position embeddings are added before the gather, so every kept token carries its
+own. Without ``keep`` (evaluation, export, transfer) every patch is computed.
 """
 
 from __future__ import annotations
@@ -45,6 +50,21 @@ VARIANTS["vit_r50_b16"] = dict(VARIANTS["vit_b16"], patch=1, resnet_layers=(3, 4
 VARIANTS["vit_r50_l32"] = dict(VARIANTS["vit_l32"], patch=2, resnet_layers=(3, 4, 9))
 
 _LN_EPS = 1e-6  # flax LayerNorm default; the released weights were trained with it
+
+
+def kept_patches(num_patches: int, drop: float) -> int:
+    """How many of ``num_patches`` patch tokens a step at patch-drop fraction ``drop`` keeps: the
+    fraction 1 - drop of them rounded down (as timm's ``patch_drop_rate``), at least one."""
+    return max(1, math.floor(num_patches * (1.0 - drop) + 1e-9))
+
+
+def draw_keep(batch: int, num_patches: int, drop: float, generator: torch.Generator) -> torch.Tensor:
+    """Patches each image keeps: [B, K] int64 indices into the N patches, ascending, drawn
+    independently per image (a uniform random subset of size K = kept_patches(N, drop)) from
+    ``generator``, on its device. The count is fixed, so shapes are static for torch.compile."""
+    k = kept_patches(num_patches, drop)
+    scores = torch.rand(batch, num_patches, generator=generator, device=generator.device)
+    return scores.argsort(dim=1)[:, :k].sort(dim=1).values
 
 
 def _pair(v: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -250,12 +270,24 @@ class ViT(nn.Module):
         """Recompute each block's activations in backward (saves memory, ~+1 forward of compute)."""
         self.grad_checkpointing = enable
 
-    def forward_features(self, x: torch.Tensor, first_token_only: bool = False) -> torch.Tensor:
+    def keep_patches(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """x: [B, prefix + N, D] (position embeddings added), keep: [B, K] patch indices
+        -> [B, prefix + K, D]: the prefix (class) token and the kept patch tokens, in ``keep``'s order."""
+        if keep.ndim != 2 or keep.shape[0] != x.shape[0]:
+            raise ValueError(f"keep: expected [batch={x.shape[0]}, K] patch indices; got {tuple(keep.shape)}")
+        p = self.num_prefix_tokens
+        patches = x[:, p:].gather(1, keep.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        return torch.cat([x[:, :p], patches], dim=1) if p else patches
+
+    def forward_features(self, x: torch.Tensor, first_token_only: bool = False,
+                         keep: torch.Tensor | None = None) -> torch.Tensor:
         """x: [B, C, H, W] -> tokens [B, prefix + N, D] after the final LayerNorm.
 
         ``first_token_only``: the last block computes only token 0 (-> [B, 1, D]); every token still
         feeds it through attention. Equal to ``forward_features(x)[:, :1]`` (up to float rounding), for
         ~1/depth of the work less: the class-token head needs nothing else.
+        ``keep``: [B, K] patch indices (training with patch dropping): only those patches, after their
+        position embeddings are added, go through the blocks (-> [B, prefix + K, D]).
         """
         if x.shape[-2:] != self.img_size:
             raise ValueError(f"input is {tuple(x.shape[-2:])} pixels but the model was built for "
@@ -263,7 +295,10 @@ class ViT(nn.Module):
         x = self.patch_embed(x)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
+        x = x + self.pos_embed
+        if keep is not None:
+            x = self.keep_patches(x, keep)
+        x = self.pos_drop(x)
         use_ckpt = self.grad_checkpointing and torch.is_grad_enabled()
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
@@ -283,9 +318,10 @@ class ViT(nn.Module):
             return x
         return self.head(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, C, H, W] -> logits [B, num_classes] ([B, R|D] when num_classes == 0)."""
-        return self.forward_head(self.forward_features(x, first_token_only=self.pool == "token"))
+    def forward(self, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [B, C, H, W] -> logits [B, num_classes] ([B, R|D] when num_classes == 0).
+        ``keep``: [B, K] patch indices to compute (patch dropping, training only); None: every patch."""
+        return self.forward_head(self.forward_features(x, first_token_only=self.pool == "token", keep=keep))
 
 
 def build_vit(variant: str | None = None, **kwargs: Any) -> ViT:

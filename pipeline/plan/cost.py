@@ -14,6 +14,9 @@ communication, assuming DeepSpeed overlaps them fully (step = max(compute, comm)
   without accumulation). The ring runs at hardware.inter_node_gbps when nodes > 1, else
   hardware.intra_node_gbps (GB/s per GPU).
 Cost is given in GPU-hours and in the paper's unit, TPUv3-core-days, at the same MFU.
+With model.patch_drop the steps up to train.patch_drop_until (all, if unset) compute the kept tokens
+only (`train_step_flops(patch_drop=...)`); the rest of the schedule computes every patch. The report
+shows both step times and what the schedule saves against patch_drop=0.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ PAPER_TPU_CORE_DAYS = {"vit_l16": 680.0, "vit_h14": 2500.0}  # Dosovitskiy et al
 DEFAULT_DATASET = 300_000_000  # JFT-300M, when the data folder doesn't say
 DEFAULT_CLASSES = 18_291  # JFT-300M's label set, when neither the config nor the data folder says
 SWEEP_KEYS = {"zero": "engine.zero_stage", "micro_batch": "train.micro_batch", "ckpt": "model.grad_checkpointing",
-              "nodes": "cluster.nodes", "offload": "engine.offload_optimizer", "precision": "engine.precision"}
+              "nodes": "cluster.nodes", "offload": "engine.offload_optimizer", "precision": "engine.precision",
+              "patch_drop": "model.patch_drop"}
 
 
 class PlanError(ValueError):
@@ -100,8 +104,9 @@ def _largest_micro_batch(shape, mem_kw, budget: float, upper: int) -> int:
     return lo
 
 
-def step_time(cfg, shape: ModelShape) -> dict:
-    """Seconds per optimizer step: compute, communication (per collective) and the step under overlap."""
+def step_time(cfg, shape: ModelShape, patch_drop: float | None = None) -> dict:
+    """Seconds per optimizer step: compute, communication (per collective) and the step under overlap;
+    ``patch_drop``: of a step that drops this fraction of patches (default model.patch_drop)."""
     from pipeline.model.flops import train_step_flops
 
     c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
@@ -110,8 +115,10 @@ def step_time(cfg, shape: ModelShape) -> dict:
     accum = per_rank // t.micro_batch
     # time counts what the GPU executes (checkpointing runs the forward again); model FLOPs (MFU,
     # total work, TPUv3-core-days) count the model's work once: recomputation is a cost in time
-    flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=cfg.model.grad_checkpointing)
-    model_flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=False)
+    pd = cfg.model.patch_drop if patch_drop is None else patch_drop
+    flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=cfg.model.grad_checkpointing,
+                                  patch_drop=pd)
+    model_flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=False, patch_drop=pd)
     compute = flops_rank / (hw.peak_tflops * 1e12 * hw.assumed_mfu)
     w = BYTES[e.precision]
     G = shape.params * w  # one full copy of the gradients (or parameters) in the model dtype
@@ -132,6 +139,26 @@ def step_time(cfg, shape: ModelShape) -> dict:
             "comm_bytes": volume, "comm_s": comm, "step_s": max(compute, comm),
             "bound": "compute" if compute >= comm else "communication", "accumulation": accum,
             "link": "inter-node" if c.nodes > 1 else "intra-node", "link_gbps": bw / 1e9}
+
+
+def patch_drop_phases(cfg, shape: ModelShape, st: dict) -> dict:
+    """The schedule in its two phases: ``drop_steps`` at model.patch_drop (``st``), the rest on every patch.
+    -> fraction, kept/all patches, step_s of each phase, total seconds and model FLOPs, and the saving
+    against the same schedule at patch_drop=0 (fractions of time and of model FLOPs)."""
+    from pipeline.model.vit import kept_patches
+
+    t, frac = cfg.train, cfg.model.patch_drop
+    full = step_time(cfg, shape, patch_drop=0.0) if frac else st
+    drop_steps = (t.steps if t.patch_drop_until is None else min(t.patch_drop_until, t.steps)) if frac else 0
+    rest = t.steps - drop_steps
+    total_s = drop_steps * st["step_s"] + rest * full["step_s"]
+    total_flops = drop_steps * st["model_flops_per_step"] + rest * full["model_flops_per_step"]
+    n = shape.tokens - (1 if cfg.model.class_token else 0)
+    return {"fraction": frac, "patches": n, "kept": kept_patches(n, frac) if frac else n,
+            "drop_steps": drop_steps, "steps": t.steps, "step_s": st["step_s"], "full_step_s": full["step_s"],
+            "total_s": total_s, "total_flops": total_flops,
+            "time_saving": 1 - total_s / (t.steps * full["step_s"]),
+            "flops_saving": 1 - total_flops / (t.steps * full["model_flops_per_step"])}
 
 
 def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, backend: str = "cuda",
@@ -158,10 +185,11 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
     max_mb = _largest_micro_batch(shape, mem_kw, budget, upper=upper)
     valid = [b for b in range(1, per_rank + 1) if per_rank % b == 0 and b <= max_mb]
     st = step_time(cfg, shape)
+    pd = patch_drop_phases(cfg, shape, st)
     ds_n, ds_src = dataset_size(cfg, dataset)
-    imgs_job = t.global_batch / st["step_s"]
-    total_s = t.steps * st["step_s"]
-    total_flops = st["model_flops_per_step"] * t.steps
+    total_s = pd["total_s"]
+    imgs_job = t.global_batch * t.steps / total_s  # over the whole schedule (both patch-drop phases)
+    total_flops = pd["total_flops"]
     tpu_days = total_flops / (TPU_V3_CORE_TFLOPS * 1e12 * hw.assumed_mfu) / 86400
     paper = PAPER_TPU_CORE_DAYS.get(m.name) if m.img_size == 224 else None
     return {
@@ -179,6 +207,7 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
                     "max_micro_batch": max_mb, "max_micro_batch_capped": max_mb >= upper,
                     "max_valid_micro_batch": max(valid) if valid else 0},
         "time": st,
+        "patch_drop": pd,
         "throughput": {"images_per_s_per_gpu": imgs_job / n, "images_per_s": imgs_job,
                        "epoch_s": ds_n / imgs_job, "dataset_size": ds_n, "dataset_source": ds_src,
                        "epochs": t.steps * t.global_batch / ds_n},
@@ -292,6 +321,7 @@ def format_report(p: dict) -> str:
           f"{t['link_gbps']:.0f} GB/s -> {_dur(t['comm_s'])}",
           f"   step {_dur(t['step_s'])} ({t['bound']}-bound); {th['images_per_s_per_gpu']:.0f} images/s per GPU, "
           f"{th['images_per_s']:.0f} images/s for the job",
+          *_patch_drop_lines(p["patch_drop"]),
           "", "== cost",
           f"   epoch of {th['dataset_size']:,} images ({th['dataset_source']}): {_dur(th['epoch_s'])}",
           f"   whole schedule ({th['epochs']:.1f} epochs): {_dur(c['total_s'])}, {c['gpu_hours']:,.0f} GPU-hours, "
@@ -304,6 +334,15 @@ def format_report(p: dict) -> str:
     else:
         L.append("   (the paper reports TPUv3-core-days for ViT-L/16 and ViT-H/14 at 224 px only)")
     return "\n".join(L)
+
+
+def _patch_drop_lines(pd: dict) -> list[str]:
+    if not pd["fraction"]:
+        return []
+    until = "every step" if pd["drop_steps"] == pd["steps"] else f"steps 1-{pd['drop_steps']:,} of {pd['steps']:,}"
+    return [f"   patch drop {pd['fraction']:g} ({pd['kept']} of {pd['patches']} patches) for {until}: "
+            f"step {_dur(pd['step_s'])} instead of {_dur(pd['full_step_s'])} on every patch; the schedule "
+            f"takes {pd['time_saving']:.0%} less time and {pd['flops_saving']:.0%} fewer FLOPs than at patch_drop=0"]
 
 
 def format_sweep(rows: list[dict]) -> str:

@@ -42,6 +42,7 @@ from pipeline.train import stopping
 from pipeline.train.ema import Ema
 from pipeline.train.evaluators import FewshotEvaluators
 from pipeline.train.loss import loss_fn, top1_hits
+from pipeline.train.patchdrop import PatchDrop
 from pipeline.train.schedule import lr_for
 from pipeline.train.tracking import check_access, start_tracking
 
@@ -195,13 +196,14 @@ class Agreement:
         return stop, bad
 
 
-def step_flops(model, cfg: Config, images_per_rank: int) -> float:
+def step_flops(model, cfg: Config, images_per_rank: int, patch_drop: float = 0.0) -> float:
     """Model FLOPs of one optimizer step on one rank (forward + backward, no recomputation: MFU
-    counts the model's work, not what activation checkpointing repeats)."""
+    counts the model's work, not what activation checkpointing repeats), on the tokens computed."""
     try:
         from pipeline.model.flops import train_step_flops
 
-        return float(train_step_flops(model.config, batch=images_per_rank, grad_checkpointing=False))
+        return float(train_step_flops(model.config, batch=images_per_rank, grad_checkpointing=False,
+                                      patch_drop=patch_drop))
     except Exception:  # MFU is a nicety; a model the counter does not know just reports none
         return float("nan")
 
@@ -288,6 +290,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
                                 **({"pin_memory": True} if device.type == "cuda" else {}))
     ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
     window, agree = Window(device), Agreement(device)
+    drops = PatchDrop(cfg, model, rank, device)
 
     step, run_id, run_key, history = 0, None, None, []
     metrics_path = run_dir / "metrics.jsonl"
@@ -312,7 +315,8 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
     rank0_print(f"{stage}: {world} rank(s) on {device.type}, ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
                 f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} x {accum} accum x {world}, "
-                f"steps {step}->{cfg.train.steps}" + (f", {n_params / 1e6:.2f}M params" if n_params else ""))
+                f"steps {step}->{cfg.train.steps}" + (f", {n_params / 1e6:.2f}M params" if n_params else "")
+                + (f", {drops.describe()}" if drops.drop else ""))
 
     def save(at_step: int) -> Path:
         manifest = {"config": flatten(cfg), "model_config": model.config, "zero_stage": cfg.engine.zero_stage,
@@ -346,8 +350,8 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
                                 f"saving it; last complete checkpoint: {ckpt_lib.latest_checkpoint(run_dir) or 'none'}")
         return stop
 
-    def forward_backward(batches) -> tuple[torch.Tensor, torch.Tensor]:
-        """accum micro batches; DeepSpeed averages and reduces the gradients.
+    def forward_backward(batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """accum micro batches of optimizer step ``step`` + 1; DeepSpeed averages and reduces the gradients.
         -> ([loss sum, top-1 hits, samples] on the device, the last micro batch's images)."""
         sums = torch.zeros(3, dtype=torch.float64, device=device)
         for m in range(accum):
@@ -355,7 +359,8 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
             labels = labels.to(device, non_blocking=True)
             x = source.normalize(images.to(device, non_blocking=True))
             x, targets = loader.mix(x, labels) if loader.mix is not None else (x, labels)
-            logits = engine(x.to(dtype)).float()
+            keep = drops.keep(step, m, len(labels))  # None: every patch
+            logits = (engine(x.to(dtype)) if keep is None else engine(x.to(dtype), keep=keep)).float()
             loss = loss_fn(cfg.train.loss, logits, targets, label_smoothing=cfg.data.label_smoothing)
             engine.backward(loss)
             if m < accum - 1:
@@ -365,7 +370,8 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
                                  torch.full((), float(n), dtype=torch.float64, device=device)])
         return sums, images
 
-    flops = step_flops(model, cfg, cfg.train.micro_batch * accum)
+    flops = {on: step_flops(model, cfg, cfg.train.micro_batch * accum, cfg.model.patch_drop if on else 0.0)
+             for on in (False, True)}  # by whether the step drops patches
     t_window, saved_at, last, stop = time.perf_counter(), None, {}, 0.0
     batches = loader.forever()
     images = None  # the last batch: its first images feed the attention figures at the end
@@ -382,7 +388,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
         do_save = bool(cfg.checkpoint.every and nxt % cfg.checkpoint.every == 0) or nxt == cfg.train.steps
         sync_step = do_log or do_eval or do_save  # these steps wait for the device anyway
 
-        step_sums, images = forward_backward(batches)
+        step_sums, images = forward_backward(batches, step)
         agree.post(nxt, stopping.stop_reason(), step_sums[0])
         stop = max(stop, check(lag=not sync_step))  # a non-finite loss stops before this optimizer step
         engine.step()  # the boundary: clip, optimizer update
@@ -396,10 +402,13 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
             steps_in_window = window.steps
             loss, top1, _ = window.reduce()
             dt = (time.perf_counter() - t_window) / max(steps_in_window, 1)
+            window_flops = sum(flops[drops.active(s)] for s in range(step - steps_in_window, step))
             record.update({"loss": loss, hit_key: top1}, lr=lr, grad_norm=eng_lib.grad_norm(engine),
                           images_per_s=cfg.train.global_batch / dt, step_s=dt,
-                          mfu=flops / dt / (cfg.hardware.peak_tflops * 1e12),
+                          mfu=window_flops / max(steps_in_window, 1) / dt / (cfg.hardware.peak_tflops * 1e12),
                           skipped=int(sum(loader.skipped.values())), **memory_gb())
+            if drops.drop:  # the fraction this window's last step dropped (0 after train.patch_drop_until)
+                record["patch_drop"] = drops.drop if drops.active(step - 1) else 0.0
             rank0_print(f"step {step:>7d}/{cfg.train.steps}  loss {loss:.4f}  {_headline(record)}  lr {lr:.2e}  "
                         f"gnorm {record['grad_norm']:.3f}  {record['images_per_s']:.1f} img/s  "
                         f"mfu {record['mfu']:.1%}  rss {record['rss_gb']:.1f}G")

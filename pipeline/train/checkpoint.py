@@ -106,14 +106,14 @@ def incomplete(ckpt: str | os.PathLike) -> str | None:
     return None
 
 
+def _names(folder: Path) -> list[str]:
+    """Relative paths of the files under ``folder``."""
+    return [str((Path(d) / n).relative_to(folder)) for d, _, names in os.walk(folder) for n in names]
+
+
 def _files(folder: Path) -> dict[str, int]:
-    """Relative path -> size of every file under ``folder``."""
-    out = {}
-    for dirpath, _, names in os.walk(folder):
-        for n in names:
-            p = Path(dirpath) / n
-            out[str(p.relative_to(folder))] = p.stat().st_size
-    return out
+    """Relative path -> size of every file under ``folder`` (once no rank writes there any more)."""
+    return {n: (folder / n).stat().st_size for n in _names(folder)}
 
 
 def written_by(name: str, rank: int) -> bool:
@@ -127,7 +127,8 @@ def written_by(name: str, rank: int) -> bool:
 def fsync_own_files(folder: Path, rank: int) -> int:
     """fsync the files this rank wrote into ``folder`` (a client flushes only its own writes);
     returns how many."""
-    own = [n for n in _files(folder) if written_by(n, rank)]
+    # names only: other ranks are still writing (and renaming) their files here, a stat could miss one
+    own = [n for n in _names(folder) if written_by(n, rank)]
     for n in own:
         fsync_path(folder / n)
     return len(own)

@@ -60,7 +60,9 @@ def test_one_shard_trains_on_two_ranks_with_two_loader_workers(shards, tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "warning" not in r.stderr  # local shards: streams seek to their range, nothing to warn about
     jid = r.stdout.splitlines()[0].split()[1]
-    assert r.stdout.splitlines()[-1] == f"job {jid} COMPLETED status=completed step=4 (logs: vitp logs {jid})"
+    *_, done, tracked = r.stdout.splitlines()  # the outcome, then what tracking did
+    assert done == f"job {jid} COMPLETED status=completed step=4 (logs: vitp logs {jid})"
+    assert tracked == f"job {jid} tracking: delivered"
     res = json.loads((tmp_path / "jobs" / jid / "result.json").read_text())
     assert (res["status"], res["step"], res["world_size"]) == ("completed", 4, 2)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

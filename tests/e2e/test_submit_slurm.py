@@ -136,7 +136,9 @@ def test_pretrain_two_nodes_completes(cluster, tmp_path):
             env={"MASTER_ADDR": "203.0.113.7", "MASTER_PORT": "9"})
     assert r.returncode == 0, r.stdout + r.stderr
     jid = job_id(r.stdout)
-    assert r.stdout.splitlines()[-1] == f"job {jid} COMPLETED status=completed step=6 (logs: vitp logs {jid})"
+    *_, done, tracked = r.stdout.splitlines()  # the outcome, then what tracking did
+    assert done == f"job {jid} COMPLETED status=completed step=6 (logs: vitp logs {jid})"
+    assert tracked == f"job {jid} tracking: delivered"
     res = json.loads((jobs / jid / "result.json").read_text())
     assert (res["status"], res["step"], res["world_size"], res["restarts"]) == ("completed", 6, 2, 0)
     assert [e["job_id"] for e in read_index(jobs)] == [jid] and (jobs / jid / "config.yaml").is_file()

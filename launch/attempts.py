@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.files import read_jsonl
+
 EVENTS = "events.jsonl"
 ATTEMPT_MARK = "vitp: attempt {restart} of job {job} starts"  # echoed by the batch script (setup)
 
@@ -53,16 +55,7 @@ def append_event(folder: str | os.PathLike, event: dict) -> None:
 
 
 def read_events(folder: str | os.PathLike) -> list[dict]:
-    p = Path(folder) / EVENTS
-    if not p.is_file():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash; the others still count
-    return out
+    return read_jsonl(Path(folder) / EVENTS, skip_cut=True)
 
 
 def count(events: list[dict], kind: str) -> int:

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.files import read_jsonl
+
 from .attempts import describe, read_events
 
 DEFAULT_LOG_DIR = "runs/jobs"
@@ -36,16 +38,7 @@ def append_index(log_dir: str | os.PathLike, entry: dict) -> None:
 
 
 def read_index(log_dir: str | os.PathLike) -> list[dict]:
-    p = Path(log_dir) / INDEX
-    if not p.is_file():
-        return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash; the others still count
-    return out
+    return read_jsonl(Path(log_dir) / INDEX, skip_cut=True)
 
 
 def find_job(job_id: str, log_dir: str | os.PathLike) -> dict:

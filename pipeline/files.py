@@ -54,9 +54,21 @@ def write_json(path: str | os.PathLike, doc, *, fsync: bool = False, indent: int
     return atomic_write(path, json.dumps(doc, indent=indent, sort_keys=True) + "\n", fsync=fsync)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a JSON-lines file ([] when it does not exist); blank lines are skipped."""
+def read_jsonl(path: str | os.PathLike, *, skip_cut: bool = False) -> list[dict]:
+    """The records of a JSON-lines file ([] when it does not exist); blank lines are skipped.
+
+    ``skip_cut``: a line that is not JSON (cut short by a crash mid-append) is skipped, so one lost
+    line does not hide the others (append-only logs: the job index, the attempt events)."""
     p = Path(path)
     if not p.is_file():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    out = []
+    for line in p.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if not skip_cut:
+                raise
+    return out

@@ -60,6 +60,13 @@ def parser_for(command: str, description: str = "") -> argparse.ArgumentParser:
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+def print_error(message: object) -> None:
+    """``error: MESSAGE`` on stderr in one write: every rank of a launch shares the pipe, and under
+    PYTHONUNBUFFERED=1 a print's text and its newline are two writes that other ranks' lines interleave."""
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
 def load_config_or_exit(args: argparse.Namespace, **kw):
     """Load and validate; on a mistake print its one line and exit 2 before anything starts."""
     from pipeline.config import ConfigError, load_config
@@ -67,7 +74,7 @@ def load_config_or_exit(args: argparse.Namespace, **kw):
     try:
         return load_config(args.config, args.overrides, **kw)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         raise SystemExit(2) from None
 
 

@@ -11,8 +11,8 @@ before anything was queued.
 from __future__ import annotations
 
 import json
-import sys
 
+from .cli import print_error
 from .preflight_job import DEFAULTS, add_preflight_args, preflight_job
 from .submit import (
     SubmitError,
@@ -56,7 +56,7 @@ def preflight_main(argv: list[str]) -> int:
         check_cluster(cfg, cluster)
         check_data(cfg, "pretrain")
     except (ConfigError, SubmitError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     if args.dry_run:
         print(json.dumps(slurm_parameters(preflight_job(cfg, opts)[0]), indent=1, sort_keys=True))

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-from launch.cli import add_config_args, load_config_or_exit, parser_for
+from launch.cli import add_config_args, load_config_or_exit, parser_for, print_error
 
 
 def _error(e: BaseException) -> int:
-    print(f"error: {e}", file=sys.stderr, flush=True)
+    print_error(e)
     return 2
 
 
@@ -38,7 +37,7 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     try:
         result = fn(cfg)
     except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_error(e)
         return 1
     except (RunDirError, RunDirBusy, ConfigError, DataError, FileNotFoundError, WeightsError, AcceleratorError,
             RendezvousError, TrackingAccessError) as e:
@@ -232,7 +231,7 @@ def plan_main(argv: list[str]) -> int:
         rows = sweep(args.config, args.overrides, parse_sweep(args.sweep), resources=args.resources,
                      **kw) if args.sweep else None
     except (ConfigError, PlanError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     if args.json:
         print(json.dumps({**result, "recommendation": rec, "sweep": rows}, indent=1, default=float))

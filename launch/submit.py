@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 
 from .attempts import batch_lines
+from .cli import print_error
 from .jobs import (  # noqa: F401 (cli table)
     append_index,
     cancel_main,
@@ -513,7 +514,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
                 return 0
             calls = [StageJob(stage, _cfg_dict(c), env=e, target=target) for c, e in zip(cfgs, envs)]
     except (ConfigError, SubmitError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     if getattr(args, "preflight", False):  # the same resources for every sweep point (same_job)
         rc = run_preflight(cfgs[0], cluster)

@@ -14,7 +14,7 @@ import sys
 
 
 def sync_main(argv: list[str]) -> int:
-    from launch.cli import parser_for
+    from launch.cli import parser_for, print_error
 
     p = parser_for("sync", "Deliver a run directory's undelivered MLflow records (RUN_DIR/mlflow_spool.jsonl) "
                            "and finish its MLflow run.")
@@ -28,7 +28,7 @@ def sync_main(argv: list[str]) -> int:
     try:
         res = sync(args.run_dir, uri=args.uri, timeout=args.timeout)
     except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     if not res["delivered"] and not res["left"]:
         print(f"{args.run_dir}: nothing to sync (no {SPOOL})")

@@ -20,6 +20,7 @@ row; rank 0's verdict names the first failed row in one line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import statistics
@@ -154,10 +155,9 @@ def _gpu_report(rank: int, want_gpus: bool) -> dict:
 
 
 def write_throughput(run_dir: str, mb: int, tag: str) -> dict:
-    """Write ``mb`` MiB to run_dir, fsync, remove; MB/s including the fsync (what a checkpoint pays).
-    A run dir this creates is removed again when it is left empty."""
+    """Write ``mb`` MiB to run_dir, fsync, remove the file; MB/s including the fsync (what a checkpoint
+    pays). The folders it makes stay until every node is done (:func:`remove_probe`, rank 0)."""
     base = Path(run_dir)
-    created = not base.exists()
     probe = base / ".preflight"
     f = probe / f"{tag}.bin"
     try:
@@ -175,11 +175,19 @@ def write_throughput(run_dir: str, mb: int, tag: str) -> dict:
     except OSError as e:
         return {"error": f"run.dir {run_dir}: not writable ({type(e).__name__}: {e.strerror or e})"}
     finally:
-        for p in (f, probe, *( [base] if created else [])):
-            try:
-                p.unlink() if p == f else p.rmdir()
-            except OSError:
-                pass
+        with contextlib.suppress(OSError):  # an unwritable run.dir has no file to remove
+            f.unlink()
+
+
+def remove_probe(run_dir: str, made: bool) -> None:
+    """After every node has written (rank 0): the probe folder, and run_dir itself when the preflight
+    made it and it is empty. Deciding this per node raced: a node that saw run_dir made by another
+    node's write kept it, and the other could not remove it while the first was still writing."""
+    for p in (Path(run_dir) / ".preflight", *([Path(run_dir)] if made else [])):
+        try:
+            p.rmdir()
+        except OSError:
+            pass
 
 
 def read_throughput(data_path: str, split: str, node_index: int, budget_mb: int) -> dict:
@@ -293,10 +301,11 @@ def preflight(cfg, *, want_gpus: bool = False, want_nccl: bool = False, io_mb: i
     """
     import torch.distributed as dist
 
-    from pipeline.distributed import dist_env, gather_object
+    from pipeline.distributed import broadcast_from_rank0, dist_env, gather_object
 
     d = dist_env()
     rank, world = dist.get_rank(), dist.get_world_size()
+    made = broadcast_from_rank0(not Path(cfg.run.dir).exists())  # looked at before any node writes there
     host = node_name()
     node_index = rank // max(1, d.local_world_size)
     rep = {"rank": rank, "host": host, "local_rank": d.local_rank, **_gpu_report(rank, want_gpus),
@@ -304,9 +313,10 @@ def preflight(cfg, *, want_gpus: bool = False, want_nccl: bool = False, io_mb: i
     if d.local_rank == 0:
         rep["node"] = _leader_report(cfg, host, rank, node_index, io_mb, read_mb)
     coll = _collectives(want_nccl, rep, allreduce_mb, world)
-    reports = gather_object(rep)
+    reports = gather_object(rep)  # every node's write is done
     if rank != 0:
         return {"status": "completed"}
+    remove_probe(cfg.run.dir, made)
     rows = judge(cfg, reports, coll, want_gpus=want_gpus, want_nccl=want_nccl, min_fabric=min_fabric)
     passed, line = verdict(rows)
     table = format_table(rows)

@@ -79,9 +79,12 @@ def test_preflight_failures_are_one_line(cluster_up, shards, tmp_path):
     r = vitp("preflight", "--config", TINY, "--resources", RES, f"data.path={shards}",
              f"run.dir={tmp_path / 'afile' / 'run'}", f"cluster.log_dir={tmp_path / 'jobs'}", CPU_RATE, *SMALL)
     assert r.returncode == 1, r.stdout + r.stderr
+    t = rows(r.stdout)
+    assert [t[("run.dir write", n)][0] for n in ("node1", "node2")] == ["FAIL", "FAIL"], r.stdout
+    others = sum(v[0] == "FAIL" for v in t.values()) - 1  # the line names the first and counts the rest
     assert r.stderr.strip().splitlines()[-1] == (
         f"preflight FAILED: run.dir write on node1: run.dir {tmp_path}/afile/run: not writable (NotADirectoryError: "
-        "Not a directory) (+1 more failed)")
+        f"Not a directory) (+{others} more failed)"), r.stdout
     # a missing data path: one line, exit 2, nothing queued
     r = vitp("preflight", "--config", TINY, "--resources", RES, f"data.path={tmp_path / 'none'}",
              f"cluster.log_dir={tmp_path / 'jobs2'}", *SMALL)

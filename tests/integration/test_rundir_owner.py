@@ -45,8 +45,11 @@ def test_second_local_launch_refuses_a_run_dir_in_use(tmp_path):
         assert after == before
         Path(f"{gate}.3").touch()
         out, err = first.communicate(timeout=600)
-    finally:
-        first.kill()
+    finally:  # on a failed assertion: let the paused ranks go, stop the launcher (it stops its ranks), reap it
+        Path(f"{gate}.3").touch()
+        if first.poll() is None:
+            first.terminate()
+            first.communicate(timeout=300)
     assert first.returncode == 0, err[-2000:]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, steps + 1))

@@ -165,9 +165,10 @@ def test_workers_outlive_the_stop_signals_slurm_sends_to_every_process(tmp_path)
 
     keys = write_dataset(tmp_path, {"train": [16, 16]})["train"]
     cfg = DataCfg(path=str(tmp_path), workers=2, shuffle_buffer=4)
+    earlier = {c.pid for c in psutil.Process(os.getpid()).children()}  # what other tests left, if anything
     it = iter(loader(cfg, 0, world=1, micro_batch=4, global_batch=4))
     seen = list(next(it)[2])
-    workers = psutil.Process(os.getpid()).children()
+    workers = [c for c in psutil.Process(os.getpid()).children() if c.pid not in earlier]
     assert len(workers) == 2
     for w in workers:
         w.send_signal(signal.SIGTERM)

@@ -28,6 +28,7 @@ from pipeline.preflight import (
     format_table,
     judge,
     read_throughput,
+    remove_probe,
     verdict,
     write_throughput,
 )
@@ -198,7 +199,12 @@ def test_judge_compares_with_the_plan_and_the_fabric():
 def test_write_throughput_real_fsync_and_unwritable(tmp_path):
     got = write_throughput(str(tmp_path / "run"), 2, "n1-0")
     assert got["bytes"] == 2 << 20 and got["mb_s"] > 0
-    assert not (tmp_path / "run").exists()  # a run dir it made for the test is gone again
+    assert list((tmp_path / "run").rglob("*")) == [tmp_path / "run" / ".preflight"]  # its file is gone
+    (tmp_path / "kept").mkdir()
+    write_throughput(str(tmp_path / "kept"), 1, "n1-0")
+    remove_probe(str(tmp_path / "kept"), made=False)  # rank 0, after every node wrote
+    remove_probe(str(tmp_path / "run"), made=True)
+    assert not (tmp_path / "run").exists() and list((tmp_path / "kept").iterdir()) == []
     (tmp_path / "afile").write_text("x")
     bad = write_throughput(str(tmp_path / "afile" / "run"), 2, "n1-0")
     assert bad["error"].startswith(f"run.dir {tmp_path}/afile/run: not writable (NotADirectoryError")

@@ -2,8 +2,8 @@
 
 Each process gets the torch.distributed variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT on a free port) and DS_ACCELERATOR=cpu when there is no GPU. If one rank
-fails or is killed, the others are terminated (a rank waiting in a collective would hang until
-its timeout) and that rank's exit code is returned.
+fails or is killed, the others get SIGTERM, then SIGKILL after STOP_GRACE_S (a rank waiting in a
+collective that does not fail would hang until its timeout), and that rank's exit code is returned.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from pathlib import Path
 from pipeline.distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
+# After one rank failed (or the timeout): SIGTERM the others, SIGKILL what is left this much later.
+# A rank takes SIGTERM as a stop request (launch/stages.py): it saves at its step boundary or fails in
+# its next collective, and on the way out delivers its tracking records (10 s at most, tracking.py).
+STOP_GRACE_S = 30
 
 
 def _has_cuda() -> bool:
@@ -69,7 +73,7 @@ def _stop_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    t = time.monotonic() + 10
+    t = time.monotonic() + STOP_GRACE_S
     for p in procs:
         try:
             p.wait(timeout=max(0.1, t - time.monotonic()))

@@ -19,9 +19,24 @@ def _error(e: BaseException) -> int:
     return 2
 
 
+def stop_on_term() -> None:
+    """SIGTERM asks for a checkpoint at the next step boundary, as scancel does under SLURM
+    (launch/preempt.py, which installs its own). It reaches a local or torchrun rank from a user's
+    kill, torchrun's agent, or the launcher stopping the ranks after one of them died: such a rank then
+    fails in its next collective and, on the way out, still delivers or spools the tracking records it
+    holds, which the default action (die at once) lost."""
+    import signal
+
+    from pipeline.train import stopping
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopping.request_stop("cancel"))
+
+
 def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     """`vitp pretrain|transfer --config X.yaml [overrides]`: parse, validate (exit 2 before anything
-    starts), run ``fn(cfg)`` in this process group; exit 1 on a non-finite loss, 2 on a usage error."""
+    starts), run ``fn(cfg)`` in this process group; exit 1 on a non-finite loss, 2 on a usage error,
+    143 (128 + SIGTERM) when a SIGTERM stopped it after saving a checkpoint (run it again to resume)."""
     from pipeline.config import ConfigError
     from pipeline.data import DataError
     from pipeline.distributed import AcceleratorError, RendezvousError, dist_env, leave_process_group, rank0_print
@@ -34,6 +49,7 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     add_config_args(p)
     args = p.parse_args(argv)
     cfg = load_config_or_exit(args, world_size=dist_env().world_size)
+    stop_on_term()
     try:
         result = fn(cfg)
     except NonFiniteLoss as e:
@@ -45,7 +61,7 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     finally:
         leave_process_group()
     rank0_print(f"{command} {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
-    return 0
+    return 143 if result.status == "stopped" else 0
 
 
 def pretrain_main(argv: list[str]) -> int:

@@ -4,8 +4,9 @@ tracker on (every step logs the loop's metrics to a real MLflow server) and with
     python -m bench.tracking [--uri http://127.0.0.1:5055] [--blocks 12 --block-steps 100]
 
 Without --uri it starts a server with launch/services/mlflow.sh (a private state dir and port).
-An "on" block holds everything tracking costs the trainer: it opens a Tracker (continuing one MLflow
-run, as a resumed job does), logs every step, and closes it, which waits until the server has every
+An "on" block holds everything tracking costs the trainer: it opens an MLflow sink (continuing one
+MLflow run, as a resumed job does) behind the sink container the training loop logs through, logs
+every step, and closes it, which waits until the server has every
 metric; its thread is gone before the "off" block starts, so an "off" block runs with no tracker and
 nothing in flight. Opening and closing per block overstates the cost of a real run (which does that
 once), so the ratio is an upper bound.
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from pipeline.model import build_vit
-    from pipeline.train.tracking import Tracker
+    from pipeline.tracking import Sinks
+    from pipeline.tracking.mlflow_sink import MlflowSink
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -75,18 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     if uri is None:
         uri, env = _start_server(state)
 
-    def open_tracker(run_id=None) -> Tracker:
-        return Tracker(uri, experiment="bench-tracking", run_name="bench", spool_dir=state, run_id=run_id,
-                       flush_every_s=2.0)
+    def open_sink(run_id=None) -> MlflowSink:
+        return MlflowSink(uri, experiment="bench-tracking", run_name="bench", spool_dir=state, run_id=run_id,
+                          flush_every_s=2.0)
 
     step, times, cpu, delivered = 0, {"on": [], "off": []}, {"on": [], "off": []}, True
     attributed = []  # per on-block, CPU s/step spent in tracker calls and in the tracker's thread
     try:
-        tracker = open_tracker()
+        tracker = open_sink()
         # warm-up: each server worker imports its store lazily on its first requests (seconds of CPU
         # on this box); that is start-up cost, not per-step cost, so it happens before the clock starts
         for i in range(args.warmup):
-            tracker.log_metrics({"warmup": float(i)}, i)
+            tracker.log({"warmup": float(i)}, i)
             tracker.flush(60)
         run_id = tracker.run_id
         tracker.close()
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             mode = ("off", "on", "on", "off")[block % 4]
             t0, c0 = time.perf_counter(), time.process_time()
             own = time.thread_time()
-            tracker = open_tracker(run_id) if mode == "on" else None
+            sink = open_sink(run_id) if mode == "on" else None
+            tracker = Sinks(sink) if sink is not None else None  # as the loop logs: through the container
             spent = time.thread_time() - own  # this thread's CPU inside tracker calls
             for _ in range(args.block_steps):
                 step += 1
@@ -105,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 opt.step()
                 if tracker is not None:  # what the loop logs at log_every=1, the worst case
                     own = time.thread_time()
-                    tracker.log_metrics({"loss": loss.item(), "top1": 0.5, "lr": 1e-3, "grad_norm": 1.0,
+                    tracker.log({"loss": loss.item(), "top1": 0.5, "lr": 1e-3, "grad_norm": 1.0,
                                          "images_per_s": 100.0, "step_s": 0.1, "mfu": 0.1, "skipped": 0,
                                          "rss_gb": 1.0}, step)
                     spent += time.thread_time() - own
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                 delivered &= tracker.flush(120)
                 spent += time.thread_time() - own
                 # the tracker thread's own CPU, read while it is still alive (close joins it)
-                spent += time.clock_gettime(time.pthread_getcpuclockid(tracker._thread.ident))
+                spent += time.clock_gettime(time.pthread_getcpuclockid(sink._thread.ident))
                 own = time.thread_time()
                 tracker.close()
                 spent += time.thread_time() - own

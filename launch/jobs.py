@@ -195,10 +195,10 @@ def outcome(entry: dict, state: str) -> tuple[bool, str]:
 
 def tracking_line(run_dir: str) -> str:
     """'tracking: delivered', or how many records wait in the run dir's spool and the `vitp sync`
-    command that delivers them (pipeline/train/tracking.py; the spool is gone once synced)."""
-    from pipeline.train.tracking import outcome as tracking_outcome
+    command that delivers them (pipeline/tracking/mlflow_sink.py; the spool is gone once synced)."""
+    from pipeline.tracking.mlflow_sink import MlflowSink
 
-    return tracking_outcome(run_dir)
+    return MlflowSink.outcome(run_dir)
 
 
 # --------------------------------------------------------------------------------------------------

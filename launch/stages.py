@@ -41,8 +41,8 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     from pipeline.data import DataError
     from pipeline.distributed import AcceleratorError, RendezvousError, dist_env, leave_process_group, rank0_print
     from pipeline.rundir import RunDirBusy
+    from pipeline.tracking.mlflow_sink import TrackingAccessError
     from pipeline.train.loop import NonFiniteLoss, RunDirError
-    from pipeline.train.tracking import TrackingAccessError
     from pipeline.weights import WeightsError
 
     p = parser_for(command, description)

@@ -23,10 +23,10 @@ def sync_main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds to keep trying an unreachable server (default 60)")
     args = p.parse_args(argv)
-    from pipeline.train.tracking import SPOOL, sync
+    from pipeline.tracking.mlflow_sink import SPOOL, MlflowSink
 
     try:
-        res = sync(args.run_dir, uri=args.uri, timeout=args.timeout)
+        res = MlflowSink.sync(args.run_dir, uri=args.uri, timeout=args.timeout)
     except (FileNotFoundError, ValueError) as e:
         print_error(e)
         return 2

@@ -156,6 +156,9 @@ class TrackingCfg:
     close_timeout_s: float = _f(120.0, lo=0.0)
     system_metrics: bool = True  # CPU, memory, disk, network, GPU (NVML) as system/... on rank 0
     system_metrics_every_s: float = _f(10.0, positive=True)
+    # more places for rank 0's records, besides metrics.jsonl and MLflow: "package.module:Class", a
+    # pipeline.tracking.Sink subclass built as Class(run_dir)
+    sinks: list[str] = _f([])
 
 
 @dataclass

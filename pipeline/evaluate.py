@@ -25,8 +25,9 @@ from pipeline.config import Config, ConfigError, flatten
 from pipeline.data import DataError, dataset_inputs, read_info
 from pipeline.distributed import choose_accelerator, comm_device, dist_env, export_env, init_process_group
 from pipeline.eval.classify import evaluate_model, write_results
+from pipeline.tracking import Sinks
+from pipeline.tracking.setup import configured_sinks, start_mlflow
 from pipeline.train import checkpoint as ckpt_lib
-from pipeline.train.tracking import NullTracker, start_tracking
 from pipeline.weights import load_model
 
 
@@ -99,36 +100,38 @@ def evaluate(cfg: Config) -> EvalResult:
                              train_split=cfg.data.train_split, max_train_images=e.max_train_images,
                              autocast=torch.bfloat16 if device.type == "cuda" else None)
     except BaseException:
-        tracker.close(timeout=10.0, status="FAILED")
+        tracker.close(status="FAILED", timeout=10.0)
         raise
     text = res.pop("fewshot_text", None)
     metrics = {k: v for k, v in res.items() if isinstance(v, float)}
     path = None
     if d.rank == 0:
         path = str(write_results({f"eval/{k}": v for k, v in res.items()}, out_dir))
-        tracker.log_metrics(metrics, parent.step)
+        tracker.log(metrics, parent.step)
         for a in res.get("artifacts", []):
             if Path(a).name.startswith("per_class_"):  # MLflow's table format: the UI shows a table
                 tracker.log_table(json.loads(Path(a).read_text()), Path(a).name)
             else:
                 tracker.log_artifact(a)
         tracker.log_artifact(path)
-        tracker.close(timeout=cfg.tracking.close_timeout_s, status="FINISHED")
+        tracker.close(status="FINISHED", timeout=cfg.tracking.close_timeout_s)
     return EvalResult("completed", metrics, path, text, tracker.run_id, parent.run_id)
 
 
-def _start_tracking(cfg: Config, out_dir: Path, rank: int, world: int) -> tuple[NullTracker, EvaluatedRun]:
+def _start_tracking(cfg: Config, out_dir: Path, rank: int, world: int) -> tuple[Sinks, EvaluatedRun]:
     """The evaluation's run (rank 0): under the evaluated run when there is one; else top-level when
-    $MLFLOW_TRACKING_URI is set; else none."""
+    $MLFLOW_TRACKING_URI is set; else none. Plus the tracking.sinks, on rank 0."""
     e, parent = cfg.eval, evaluated_run(cfg.eval.checkpoint)
     uri = parent.uri if parent.run_id else os.environ.get("MLFLOW_TRACKING_URI")
+    extra = configured_sinks(cfg, out_dir, rank=rank)
     if rank != 0 or not uri or not cfg.tracking.enabled:
-        return NullTracker(), parent
+        return Sinks(*extra), parent
     splits = {e.split: "evaluation", **({cfg.data.train_split: "training"} if e.fewshot or e.linear_probe else {})}
-    tracker = start_tracking(cfg, out_dir, rank=rank, world_size=world, stage="eval", uri=uri,
-                             parent_run_id=parent.run_id, run_name=f"eval-{e.split}",
-                             experiment=parent.experiment or cfg.tracking.experiment,
-                             params={k: v for k, v in flatten(cfg).items() if k.startswith(("eval.", "data."))},
-                             datasets=dataset_inputs(cfg.data.path, splits))
+    tracker = start_mlflow(cfg, out_dir, rank=rank, world_size=world, stage="eval", uri=uri,
+                           parent_run_id=parent.run_id, run_name=f"eval-{e.split}",
+                           experiment=parent.experiment or cfg.tracking.experiment,
+                           params={k: v for k, v in flatten(cfg).items() if k.startswith(("eval.", "data."))},
+                           datasets=dataset_inputs(cfg.data.path, splits))
+    tracker = Sinks(tracker, *extra)
     tracker.set_tags({"vitp.checkpoint": str(Path(e.checkpoint).resolve()), "vitp.eval_split": e.split})
     return tracker, parent

@@ -63,13 +63,12 @@ def transfer(cfg: Config) -> Result:
         run.tracker.set_tags({"stage": "transfer", **{f"vitp.{k}": v for k, v in lineage.items()},
                               **({"mlflow.parentRunId": lineage["parent_run_id"]} if "parent_run_id" in lineage
                                  else {})})
-        run.tracker.log_metrics({f"final/{k}": v for k, v in metrics.items()}, run.result.step)
+        run.tracker.log({f"final/{k}": v for k, v in metrics.items()}, run.result.step)
         for a in [path, *res.get("artifacts", [])]:
             run.tracker.log_artifact(a)
         # two images: the logged program's batch dimension stays dynamic (a batch of 1 would fix it)
         example = torch.zeros(2, 3, cfg.model.img_size, cfg.model.img_size).numpy()
-        run.tracker.log_model_pytorch(final.cpu().eval(), input_example=example,
-                                      registered_name=cfg.tracking.register_name)
+        run.tracker.log_model(final.cpu().eval(), input_example=example, registered_name=cfg.tracking.register_name)
         shown = "  ".join(f"{k} {res[f'{split}/{k}']:.4f}" for k in ("top1", "top5", "prec1", "mAP")
                           if f"{split}/{k}" in res)
         rank0_print(f"transfer: val {shown}  -> {path}")

@@ -20,7 +20,6 @@ without blocking. Rank-0-only work happens after the last collective of the run.
 
 from __future__ import annotations
 
-import json
 import time
 import warnings
 from collections.abc import Callable
@@ -35,7 +34,8 @@ from pipeline.data.loader import check_splits
 from pipeline.distributed import all_reduce, broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval.classify import classify, classify_multilabel
 from pipeline.eval.figures import loss_curve_png
-from pipeline.files import atomic_write, read_jsonl
+from pipeline.tracking import METRICS, JsonlSink, Sinks
+from pipeline.tracking.setup import check_access, configured_sinks, start_mlflow
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
 from pipeline.train import stopping
@@ -44,7 +44,6 @@ from pipeline.train.evaluators import FewshotEvaluators
 from pipeline.train.loss import loss_fn, top1_hits
 from pipeline.train.patchdrop import PatchDrop
 from pipeline.train.schedule import lr_for
-from pipeline.train.tracking import check_access, start_tracking
 
 
 @dataclass
@@ -111,15 +110,6 @@ def prepare_run_dir(cfg: Config, rank: int) -> Path | None:
         raise RunDirError(f"run.dir {run_dir} is not empty and holds no complete checkpoint of this config; "
                           "pass run.fresh=true to start over there, or choose another run.dir")
     return None  # empty, or an earlier attempt of this very run that died before its first checkpoint
-
-
-def keep_metrics_up_to(path: Path, step: int) -> list[dict]:
-    """Drop metrics.jsonl records after ``step`` (a resume re-runs them); return the kept ones."""
-    if not path.is_file():
-        return []
-    kept = [r for r in read_jsonl(path) if r["step"] <= step]
-    atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
-    return kept
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,8 +282,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     window, agree = Window(device), Agreement(device)
     drops = PatchDrop(cfg, model, rank, device)
 
-    step, run_id, run_key, history = 0, None, None, []
-    metrics_path = run_dir / "metrics.jsonl"
+    step, run_id, run_key = 0, None, None
     if resume_from is not None:
         state = ckpt_lib.resume(engine, resume_from, universal)
         step, run_id = state["step"], state["manifest"].get("mlflow_run_id")
@@ -305,11 +294,15 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
         rank0_print(f"resuming from {resume_from} (step {step}, saved by {state['manifest']['world_size']} ranks)")
     if rank == 0:
         write_resolved(cfg, run_dir)
-        history = keep_metrics_up_to(metrics_path, step)
+    # rank 0's records: metrics.jsonl (past the resumed step dropped: they run again), MLflow, tracking.sinks
+    metrics_file = JsonlSink(run_dir / METRICS, keep_up_to=step) if rank == 0 else None
+    history = metrics_file.records if metrics_file else []
     datasets = {cfg.data.train_split: "training", cfg.data.val_split: "evaluation"}
-    tracker = start_tracking(cfg, run_dir, rank=rank, world_size=world, stage=stage, run_id=run_id,
-                             run_key=run_key, params=flatten(cfg),  # params: logged only if a new run is made
-                             datasets=data_lib.dataset_inputs(cfg.data.path, datasets) if rank == 0 else None)
+    tracker = Sinks(metrics_file, start_mlflow(
+        cfg, run_dir, rank=rank, world_size=world, stage=stage, run_id=run_id, run_key=run_key,
+        params=flatten(cfg),  # params: logged only if a new run is made
+        datasets=data_lib.dataset_inputs(cfg.data.path, datasets) if rank == 0 else None),
+        *configured_sinks(cfg, run_dir, rank=rank))
     fewshot = FewshotEvaluators(cfg, engine, device, dtype, history)
     close_timeout = cfg.tracking.close_timeout_s
     n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
@@ -327,11 +320,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
                              keep=cfg.checkpoint.keep, shared=shared, train_state={"window": window.state_dict()})
 
     def log(record: dict) -> None:
-        if rank == 0:
-            history.append(record)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            tracker.log_metrics({k: v for k, v in record.items() if k != "step"}, record["step"])
+        tracker.log({k: v for k, v in record.items() if k != "step"}, record["step"])
 
     def run_fewshot(final: bool = False) -> bool:
         """The few-shot evaluators if ``step`` is one of theirs, after its checkpoint (a kill inside
@@ -345,7 +334,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
         """The agreed stop code; raises NonFiniteLoss (on every rank alike) before anything is saved."""
         stop, bad = agree.read(lag=lag)
         if bad is not None:
-            tracker.close(timeout=10.0, status="FAILED")
+            tracker.close(status="FAILED", timeout=10.0)
             raise NonFiniteLoss(f"step {bad}: non-finite loss (lr {lr_for(cfg, bad - 1):.3g}); stopped before "
                                 f"saving it; last complete checkpoint: {ckpt_lib.latest_checkpoint(run_dir) or 'none'}")
         return stop
@@ -460,6 +449,6 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     wait_for_rank0()  # the weights file exists for every rank's finish
     if finish is not None:
         finish(Finished(cfg, engine, tracker, result, rank, world))
-    tracker.close(timeout=close_timeout, status="FINISHED")
+    tracker.close(status="FINISHED", timeout=close_timeout)
     return result
 

@@ -59,11 +59,11 @@ def test_run_dir_guard(tmp_path):
 
 
 def test_metrics_file_drops_records_past_the_resumed_step(tmp_path):
-    from pipeline.train.loop import keep_metrics_up_to
+    from pipeline.tracking import JsonlSink
 
     p = tmp_path / "metrics.jsonl"
     p.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 8)))
-    kept = keep_metrics_up_to(p, 4)
+    kept = JsonlSink(p, keep_up_to=4).records
     assert [r["step"] for r in kept] == [1, 2, 3, 4]
     assert len(p.read_text().splitlines()) == 4
 

@@ -76,13 +76,13 @@ def test_tracker_posts_metrics_that_the_server_stores_as_log_batch_does(mlflow_s
     the server must store what the client's log_batch stores (1/3 bit for bit, NaN, both infinities)."""
     from mlflow.entities import Metric
 
-    from pipeline.train.tracking import Tracker
+    from pipeline.tracking.mlflow_sink import MlflowSink as Tracker
 
     exp = f"vitp-test-{uuid.uuid4().hex[:12]}"
     values = [1 / 3, float("nan"), float("inf"), float("-inf"), 2.5]
     t = Tracker(mlflow_server, experiment=exp, run_name="rest", spool_dir=tmp_path, flush_every_s=0.2)
     for step, v in enumerate(values):
-        t.log_metrics({"loss": v}, step)
+        t.log({"loss": v}, step)
     assert t.flush(30)
     assert t._rest is not None  # the REST path is the one that delivered them
     t.close()

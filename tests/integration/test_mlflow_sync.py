@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.train.tracking import KIND, KIND_TAG, SPOOL, Tracker
+from pipeline.tracking.mlflow_sink import KIND, KIND_TAG, SPOOL
+from pipeline.tracking.mlflow_sink import MlflowSink as Tracker
 
 pytestmark = pytest.mark.mlflow_server
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,9 +48,9 @@ def test_experiment_kind_is_set_once_and_a_teams_kind_is_kept(mlflow_server, tmp
 
 DIES = """
 import sys
-from pipeline.train.tracking import Tracker
+from pipeline.tracking.mlflow_sink import MlflowSink as Tracker
 t = Tracker(sys.argv[1], experiment=sys.argv[2], run_name="dies", spool_dir=sys.argv[3], flush_every_s=0.2)
-t.log_metrics({"loss": 1.0}, 1)
+t.log({"loss": 1.0}, 1)
 print(t.run_id, flush=True)
 raise RuntimeError("boom")
 """
@@ -102,7 +103,7 @@ def test_stranded_runs_are_finished_by_vitp_sync(mlflow_server, tmp_path):
         a = Tracker(mlflow_server, experiment=exp, run_name="a", spool_dir=a_dir, flush_every_s=0.2,
                     params={"optim.lr": 0.1})
         for step in range(1, 41):
-            a.log_metrics({"loss": 1.0 / step}, step)
+            a.log({"loss": 1.0 / step}, step)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             a.close(timeout=1.0, status="FINISHED")

@@ -64,7 +64,7 @@ def user(auth) -> tuple[str, str]:
 def test_metrics_arrive_over_https_with_credentials_from_the_environment(auth, clean_env, tmp_path):
     from mlflow import MlflowClient
 
-    from pipeline.train.tracking import Tracker
+    from pipeline.tracking.mlflow_sink import MlflowSink as Tracker
 
     name, pw = user(auth)
     for k, v in {"MLFLOW_TRACKING_USERNAME": name, "MLFLOW_TRACKING_PASSWORD": pw,
@@ -73,7 +73,7 @@ def test_metrics_arrive_over_https_with_credentials_from_the_environment(auth, c
     exp = f"https-{uuid.uuid4().hex[:8]}"
     t = Tracker(auth.https, experiment=exp, run_name="r", spool_dir=tmp_path, flush_every_s=0.2, params={"a": 1})
     for step in range(1, 31):  # batches through vitp's own REST posting, over TLS, with basic auth
-        t.log_metrics({"loss": 1.0 / step}, step)
+        t.log({"loss": 1.0 / step}, step)
     t.close(timeout=60, status="FINISHED")
     assert not (tmp_path / "mlflow_spool.jsonl").exists()
     run = MlflowClient(auth.https).get_run(t.run_id)

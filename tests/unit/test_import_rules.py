@@ -4,10 +4,12 @@ pure torch; the layers import only downwards and never in a circle.
 Parses every .py file of the repository with `ast` (imports inside functions included);
 tests/ and bench/ are exempt, they may compare against anything.
 
+pipeline.tracking (the sinks a run's records go to) imports neither .train nor .eval.
+
 Layers, top to bottom:
     launch                                              starts things, parses argv
     pipeline.pretrain, pipeline.transfer, pipeline.evaluate       stages: fn(cfg) -> Result
-    pipeline.weights, .train, .eval, .data, .plan       the library
+    pipeline.weights, .train, .eval, .data, .plan, .tracking   the library
     pipeline.distributed, .config, .model, .files, .driver, .secrets, .rundir   the ground floor
 data_prep/ is offline and stands apart: no torch, no pipeline.
 """
@@ -24,7 +26,7 @@ SKIP_DIRS = {".venv", ".venv-floor", ".git", "build", "dist", "runs", "__pycache
 # module -> predicate on the repo-relative posix path of the importing file
 OWNERS = {
     "deepspeed": lambda p: p == "pipeline/train/engine.py",
-    "mlflow": lambda p: p == "pipeline/train/tracking.py",
+    "mlflow": lambda p: p == "pipeline/tracking/mlflow_sink.py",
     "submitit": lambda p: p.startswith("launch/"),
     "webdataset": lambda p: p.startswith(("pipeline/data/", "data_prep/")),
 }
@@ -32,7 +34,8 @@ MODEL_ALLOWED = {"torch", "einops", "pipeline"}
 MODEL_LOADING = {"numpy", "safetensors"}  # reading checkpoint files only
 MODEL_LOADING_FILES = {"pipeline/model/convert.py", "pipeline/model/load.py"}
 STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate", "pipeline.preflight"}
-LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan")
+LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan",
+           "pipeline.tracking")
 GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline.files", "pipeline.driver",
           "pipeline.secrets", "pipeline.rundir")
 
@@ -197,6 +200,16 @@ def test_layers_import_only_downwards():
 def test_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_tracking_stands_apart_from_train_and_eval():
+    """The sinks serve the training loop and the evaluation stage alike: they import neither."""
+    files = dict(_repo_files())
+    known = {module_name(rel) for rel in files}
+    found = [f"{rel} imports {t}" for rel, path in files.items() if rel.startswith("pipeline/tracking/")
+             for n in imports(path.read_text(encoding="utf-8"), module_name(rel))
+             if (t := _known_module(n, known)) and t.startswith(("pipeline.train", "pipeline.eval"))]
+    assert "pipeline/tracking/sink.py" in files and not found, "\n".join(found)
 
 
 def test_stage_imports_without_launch():

@@ -9,7 +9,10 @@ from mlflow import MlflowClient
 
 from pipeline.distributed import free_port
 from pipeline.eval.figures import loss_curve_png
-from pipeline.train.tracking import SPOOL, NullTracker, Tracker, start_tracking
+from pipeline.tracking import Sink
+from pipeline.tracking.mlflow_sink import SPOOL
+from pipeline.tracking.mlflow_sink import MlflowSink as Tracker
+from pipeline.tracking.setup import start_mlflow
 
 
 def dead_uri() -> str:
@@ -27,13 +30,13 @@ def test_metrics_params_and_continued_run(store, tmp_path):
     t = Tracker(uri, experiment="unit", run_name="r", spool_dir=tmp_path, params={"optim.lr": 0.001},
                 tags={"stage": "pretrain"}, flush_every_s=0.2, artifact_location=(d / "art").as_uri())
     for step in range(1, 51):
-        t.log_metrics({"loss": 1.0 / step, "lr": 0.1}, step)
+        t.log({"loss": 1.0 / step, "lr": 0.1}, step)
     assert t.flush(30)
     run_id = t.run_id
     t.close()
     again = Tracker(uri, experiment="unit", run_name="r", spool_dir=tmp_path, run_id=run_id,
                     params={"optim.lr": 0.5}, flush_every_s=0.2)
-    again.log_metrics({"loss": 0.001}, 51)
+    again.log({"loss": 0.001}, 51)
     again.close()
     c = MlflowClient(uri)
     hist = c.get_metric_history(run_id, "loss")
@@ -64,7 +67,7 @@ def test_outage_buffers_spools_and_a_later_tracker_delivers(store, tmp_path):
         t = Tracker(dead_uri(), experiment="unit-outage", run_name="o", spool_dir=tmp_path, flush_every_s=0.2)
         t0 = time.perf_counter()
         for step in range(1, 1001):
-            t.log_metrics({"loss": float(step)}, step)
+            t.log({"loss": float(step)}, step)
         assert time.perf_counter() - t0 < 0.5  # logging never waits for the server
         t.close(timeout=1.0)
     assert any("unreachable" in str(x.message) for x in w)
@@ -87,9 +90,9 @@ def test_only_rank0_tracks(tmp_path):
     from pipeline.config import load_config
 
     cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic"], world_size=2)
-    assert type(start_tracking(cfg, tmp_path, rank=1, world_size=2, stage="pretrain")) is NullTracker
+    assert type(start_mlflow(cfg, tmp_path, rank=1, world_size=2, stage="pretrain")) is Sink
     cfg.tracking.enabled = False
-    assert type(start_tracking(cfg, tmp_path, rank=0, world_size=2, stage="pretrain")) is NullTracker
+    assert type(start_mlflow(cfg, tmp_path, rank=0, world_size=2, stage="pretrain")) is Sink
 
 
 def test_loss_curve_png(tmp_path):

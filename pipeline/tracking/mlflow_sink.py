@@ -1,11 +1,11 @@
-"""MLflow tracking that never slows or stops training: the only module that imports mlflow.
+"""The MLflow sink: tracking that never slows or stops training; the only module that imports mlflow.
 
-Rank 0 gets a :class:`Tracker`; other ranks get a :class:`NullTracker` with the same methods.
+Rank 0 gets a :class:`MlflowSink` (pipeline/tracking/setup.py starts it); other ranks get none.
 Calls only enqueue ops (``run``: create or continue a run, found again by its ``vitp_run_key`` tag;
 ``metric``, ``tags``, ``inputs``, ``artifact``, ``table``, ``end``); one background thread sends
 them in order. While the server is down they wait in memory (a warning says so); what is still
 undelivered ``tracking.close_timeout_s`` after the end goes to ``RUN_DIR/mlflow_spool.jsonl``,
-which ``vitp sync RUN_DIR`` (:func:`sync`) or the next job in that run dir delivers. A re-sent
+which ``vitp sync RUN_DIR`` (:meth:`MlflowSink.sync`) or the next job in that run dir delivers. A re-sent
 record lands once: a metric keeps its timestamp (the store drops an identical point), the rest
 overwrite themselves. Runs carry MLflow's standard source tags, their datasets as dataset inputs,
 and ``system/...`` metrics from MLflow's own monitors (GPUs where NVML, ``nvidia-ml-py``, finds any).
@@ -30,17 +30,18 @@ import json
 import math
 import os
 import queue
-import socket
 import sys
 import tempfile
 import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline.secrets import has_secret, redact, restore
+from pipeline.tracking.sink import Sink
 
 # Fail fast and let our thread retry: mlflow's own retries would stall the queue for minutes.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -125,28 +126,6 @@ def access_problem(uri: str, experiment: str) -> str | None:
     return None
 
 
-def check_access(cfg, run_dir: str | os.PathLike, *, rank: int) -> None:
-    """At a stage's start, on every rank: raise :class:`TrackingAccessError` (on all ranks alike) when
-    the server refuses rank 0's credentials, before anything trains for nothing."""
-    from pipeline.distributed import all_gather_object, wait_for_rank0
-
-    problem = None
-    if rank == 0 and cfg.tracking.enabled:
-        problem = access_problem(resolve_uri(cfg, run_dir), cfg.tracking.experiment)
-    wait_for_rank0()  # rank 0's requests run outside any collective's timeout
-    problem = all_gather_object(problem)[0]
-    if problem:
-        raise TrackingAccessError(problem)
-
-
-def resolve_uri(cfg, run_dir: str | os.PathLike) -> str:
-    if cfg.tracking.uri:
-        return cfg.tracking.uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
-
-
 def source_tags(stage: str) -> dict[str, str]:
     """MLflow's standard source tags: what ran (``vitp STAGE``), which code, who, how started."""
     from mlflow.utils.git_utils import get_git_branch, get_git_commit, get_git_repo_url
@@ -163,24 +142,6 @@ def source_tags(stage: str) -> dict[str, str]:
     return {k: v for k, v in tags.items() if v}
 
 
-class NullTracker:
-    """What ranks other than 0 (and tracking.enabled=false) get: every call does nothing."""
-
-    run_id: str | None = None
-    run_key: str | None = None
-    uri: str | None = None
-
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
-    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None: ...
-    def log_table(self, rows: list[dict], artifact_file: str) -> None: ...
-    def log_inputs(self, datasets: list[dict]) -> None: ...
-    def set_tags(self, tags: dict[str, Any]) -> None: ...
-    def log_model_pytorch(self, model, input_example=None, registered_name: str | None = None) -> None: ...
-    def flush(self, timeout: float = 30.0) -> bool:
-        return True
-    def close(self, timeout: float = 30.0, status: str | None = None) -> None: ...
-
-
 class _Delivery:
     """Ops -> MLflow requests, in order. ``_runs`` maps each run key met so far to its run id."""
 
@@ -193,7 +154,6 @@ class _Delivery:
         self._client = None
         self._rest = False  # a server: metric batches go to its REST API directly
         self._lock = threading.Lock()  # one mlflow request at a time (thread, log_model, close)
-        self._sys_next: int | None = None  # a continued run's next system-metrics step
 
     def _set_uri(self, uri: str) -> None:
         self._uri = restore(uri)  # what we connect with; in memory only
@@ -346,13 +306,39 @@ class _Delivery:
         if not any(a.get("path") == op["artifact_file"] for a in logged):
             self._client.set_tag(rid, tag, json.dumps([*logged, {"path": op["artifact_file"], "type": "table"}]))
 
+    def deliver_spool(self, uri: str | None, timeout: float) -> dict:
+        """Deliver this spool dir's ``mlflow_spool.jsonl`` (what :meth:`MlflowSink.sync` does, see there)."""
+        from mlflow.exceptions import RestException
+
+        self._pending = ops = self._claim_spool()
+        self._set_uri(uri or next((o["uri"] for o in reversed(ops) if o["op"] == "run" and o.get("uri")), ""))
+        if ops and not self.uri:
+            self._write_spool(None)
+            raise ValueError(f"{self._spool}: names no tracking server; pass --uri")
+        deadline, err = time.monotonic() + timeout, None
+        while self._pending and time.monotonic() < deadline:
+            try:
+                self._deliver()
+            except Exception as e:
+                err = e
+                if isinstance(e, RestException) or refusal(e, self._uri):  # a no: retrying would not change its mind
+                    break
+                time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))  # unreachable: keep trying
+        key = self._pending[0].get("run_key") if self._pending else None  # the header names the run it continues
+        left = self._write_spool(None if not self._pending or self._pending[0]["op"] == "run" else
+                                 {"op": "run", "run_key": key, "run_id": self._runs.get(key), "uri": self.uri})
+        runs = {rid: self._client.get_run(rid).info.status for rid in set(self._runs.values())} if not left else {}
+        return {"delivered": self._delivered, "left": left, "runs": runs, "uri": self.uri,
+                "error": (refusal(err, self._uri) or redact(f"{type(err).__name__}: {str(err)[:200]}"))
+                if left and err else None}
+
     def _opened(self, op: dict) -> None: ...
 
     def _own_run_id(self) -> str | None:
         return None
 
 
-class Tracker(_Delivery, NullTracker):
+class MlflowSink(_Delivery, Sink):
     """Asynchronous MLflow run. ``run_id`` given: continue that run (params are not logged again).
     ``parent_run_id``: nest the new run under that one, in its experiment.
     ``system_metrics_every_s``: sample MLflow's system metrics that often (None: off)."""
@@ -375,6 +361,7 @@ class Tracker(_Delivery, NullTracker):
                      "tags": {k: redact(str(v)) for k, v in (tags or {}).items()},
                      "artifact_location": artifact_location}
         self._every, self._sys_every = flush_every_s, system_metrics_every_s
+        self._sys_next: int | None = None  # the run's next system-metrics step, once the run is known
         self._q: queue.Queue = queue.Queue()
         self._count = threading.Lock()
         self._pending = [self._own, *self._claim_spool()]  # our run first, then what earlier jobs left
@@ -395,11 +382,44 @@ class Tracker(_Delivery, NullTracker):
                               "metrics are buffered", stacklevel=2)
         self._thread = threading.Thread(target=self._run, name="mlflow-tracker", daemon=True)
         self._thread.start()
-        self._sampler = _SystemMetrics(self, system_metrics_every_s) if system_metrics_every_s else None
+        self._sampler = (_SystemMetrics(self._log_system, self.run_id, self._uri, system_metrics_every_s)
+                         if system_metrics_every_s else None)
         atexit.register(self._at_exit)
 
+    # ---- the spool, for `vitp sync` and `vitp jobs` ------------------------------------------------
+    @staticmethod
+    def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60.0) -> dict:
+        """Deliver ``RUN_DIR/mlflow_spool.jsonl``: each record once, each run ended as it ended.
+
+        -> {"delivered": n, "left": n (kept in the spool), "runs": {run_id: status}, "uri": uri, "error"}.
+        The server comes from the spool (``uri`` overrides); the spool names it redacted, so the login
+        comes from MLflow's variables (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN) as they are now.
+        """
+        if not Path(run_dir).is_dir():
+            raise FileNotFoundError(f"{run_dir}: no such run directory")
+        return _Delivery(uri or "", run_dir).deliver_spool(uri, timeout)
+
+    @staticmethod
+    def spooled(run_dir: str | os.PathLike) -> int:
+        """How many records (metrics, tags, artifacts, run ends) wait in ``RUN_DIR/mlflow_spool.jsonl``."""
+        p = Path(run_dir) / SPOOL
+        try:
+            lines = p.read_text().splitlines()
+        except OSError:
+            return 0
+        return sum(1 for line in lines if line.strip() and json.loads(line).get("op") != "run")
+
+    @staticmethod
+    def outcome(run_dir: str | os.PathLike) -> str:
+        """One line saying what tracking did for a finished job's run dir: delivered, or how many
+        records wait and the `vitp sync` command that delivers them."""
+        n = MlflowSink.spooled(run_dir)
+        if n:
+            return f"tracking: {n} records spooled in {Path(run_dir) / SPOOL}; deliver them with `vitp sync {run_dir}`"
+        return "tracking: delivered"
+
     # ---- the training side: enqueue only ----------------------------------------------------------
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, float], step: int) -> None:
         ts = int(time.time() * 1000)
         for k, v in metrics.items():
             if v is not None:
@@ -409,12 +429,10 @@ class Tracker(_Delivery, NullTracker):
         self._put({"op": "artifact", "path": str(Path(path).resolve()), "artifact_path": artifact_path})
 
     def log_table(self, rows: list[dict], artifact_file: str) -> None:
-        """``rows`` (one dict per row) as an MLflow table artifact, e.g. ``per_class_val.json``."""
+        """``rows`` (one dict per row) in MLflow's table format, so the UI shows a table."""
         self._put({"op": "table", "rows": rows, "artifact_file": artifact_file})
 
     def log_inputs(self, datasets: list[dict]) -> None:
-        """Dataset inputs: dicts with name, digest, source_type, source, schema, profile, context
-        (pipeline.data.dataset_inputs makes them)."""
         if datasets:
             self._put({"op": "inputs", "datasets": [{k: redact(v) for k, v in d.items()} for d in datasets]})
 
@@ -437,7 +455,7 @@ class Tracker(_Delivery, NullTracker):
             self._idle.clear()
         return True
 
-    def close(self, timeout: float = 30.0, status: str | None = None) -> None:
+    def close(self, status: str | None = None, timeout: float = 30.0) -> None:
         """Deliver what we can within ``timeout``; spool the rest for `vitp sync` or a later job.
 
         ``status`` ("FINISHED", "FAILED"): end the MLflow run; None leaves it running (a stopped
@@ -460,18 +478,18 @@ class Tracker(_Delivery, NullTracker):
                 {"op": "run", "run_key": self.run_key, "run_id": self.run_id, "uri": self.uri}
             n = self._write_spool(header)
         if n and self._refused:
-            warnings.warn(f"{self._refused}: {spooled(self._spool.parent)} records kept in {self._spool}; deliver "
+            warnings.warn(f"{self._refused}: {self.spooled(self._spool.parent)} records kept in {self._spool}; deliver "
                           f"them with `vitp sync {self._spool.parent}` once the credentials are fixed", stacklevel=2)
         elif n:
-            warnings.warn(f"MLflow at {self.uri} unreachable: {spooled(self._spool.parent)} records kept in "
+            warnings.warn(f"MLflow at {self.uri} unreachable: {self.spooled(self._spool.parent)} records kept in "
                           f"{self._spool}; deliver them with `vitp sync {self._spool.parent}` once it is back (a job "
                           "that continues this run dir also does)", stacklevel=2)
 
     def _at_exit(self) -> None:
         """The process ends without close(): the run failed (an exception); say so, briefly."""
-        self.close(timeout=10.0, status="FAILED")
+        self.close(status="FAILED", timeout=10.0)
 
-    def log_model_pytorch(self, model, input_example=None, registered_name: str | None = None) -> None:
+    def log_model(self, model, input_example=None, registered_name: str | None = None) -> None:
         """Log ``model`` with the mlflow.pytorch flavour (and register it); synchronous, warns on failure.
 
         ``input_example``: an image batch [N, 3, H, W] (N >= 2, float32). The signature says
@@ -515,6 +533,15 @@ class Tracker(_Delivery, NullTracker):
 
     def _own_run_id(self) -> str | None:
         return self.run_id
+
+    def _log_system(self, metrics: dict[str, float]) -> bool:
+        """One system-metrics sample as ``system/...`` at the next sample step; False while the run is
+        not known yet (its steps continue the run's, so the sample waits and aggregates)."""
+        if self._sys_next is None:
+            return False
+        self.log({f"system/{k}": v for k, v in metrics.items()}, self._sys_next)
+        self._sys_next += 1
+        return True
 
     def _refuse(self, e: BaseException) -> bool:
         """A refusal (login, permission, TLS): say so once, loudly, and send nothing more (retrying a
@@ -563,15 +590,16 @@ class Tracker(_Delivery, NullTracker):
 
 
 class _SystemMetrics:
-    """MLflow's own system-metrics monitors, sampled every ``every`` seconds on rank 0 and logged as
-    ``system/...`` through the tracker's queue (so they outlive an outage like any metric, where
-    MLflow's SystemMetricsMonitor thread stops for good). Steps count samples, as MLflow's do."""
+    """MLflow's own system-metrics monitors, sampled every ``every`` seconds on rank 0 and handed to
+    ``publish`` (the sink's queue, so they outlive an outage like any metric, where MLflow's
+    SystemMetricsMonitor thread stops for good). Steps count samples, as MLflow's do. ``publish``
+    returns False while the run is not known yet: the samples then aggregate until it is."""
 
-    def __init__(self, tracker: Tracker, every: float):
+    def __init__(self, publish: Callable[[dict[str, float]], bool], run_id: str | None, uri: str, every: float):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        self._tracker, self._every = tracker, every
-        self._monitor = SystemMetricsMonitor(tracker.run_id, sampling_interval=every, tracking_uri=tracker._uri)
+        self._publish_to, self._every = publish, every
+        self._monitor = SystemMetricsMonitor(run_id, sampling_interval=every, tracking_uri=uri)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="mlflow-system-metrics", daemon=True)
         self._thread.start()
@@ -580,18 +608,15 @@ class _SystemMetrics:
         while True:
             self._monitor.collect_metrics()
             stopping = self._stopping.wait(self._every)
-            if self._tracker._sys_next is not None:  # else the run is not known yet: samples aggregate
-                self._publish()
+            self._publish()
             if stopping:
                 return
 
     def _publish(self) -> None:
         metrics = self._monitor.aggregate_metrics()
-        for m in self._monitor.monitors:
-            m.clear_metrics()
-        if metrics:
-            self._tracker.log_metrics({f"system/{k}": v for k, v in metrics.items()}, self._tracker._sys_next)
-            self._tracker._sys_next += 1
+        if metrics and self._publish_to(metrics):
+            for m in self._monitor.monitors:
+                m.clear_metrics()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -604,91 +629,3 @@ def _json_double(v: float) -> float | str:
     if v != v:
         return "NaN"
     return ("Infinity" if v > 0 else "-Infinity") if v in (math.inf, -math.inf) else v
-
-
-def sync(run_dir: str | os.PathLike, uri: str | None = None, timeout: float = 60.0) -> dict:
-    """Deliver ``RUN_DIR/mlflow_spool.jsonl``: each record once, each run ended as it ended.
-
-    -> {"delivered": n, "left": n (kept in the spool), "runs": {run_id: status}, "uri": uri, "error"}.
-    The server comes from the spool (``uri`` overrides); the spool names it redacted, so the login
-    comes from MLflow's variables (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN) as they are now.
-    """
-    from mlflow.exceptions import RestException
-
-    if not Path(run_dir).is_dir():
-        raise FileNotFoundError(f"{run_dir}: no such run directory")
-    d = _Delivery(uri or "", run_dir)
-    d._pending = ops = d._claim_spool()
-    d._set_uri(uri or next((o["uri"] for o in reversed(ops) if o["op"] == "run" and o.get("uri")), ""))
-    if ops and not d.uri:
-        d._write_spool(None)
-        raise ValueError(f"{d._spool}: names no tracking server; pass --uri")
-    deadline, err = time.monotonic() + timeout, None
-    while d._pending and time.monotonic() < deadline:
-        try:
-            d._deliver()
-        except Exception as e:
-            err = e
-            if isinstance(e, RestException) or refusal(e, d._uri):  # a no: retrying would not change its mind
-                break
-            time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))  # unreachable: keep trying
-    key = d._pending[0].get("run_key") if d._pending else None  # the header names the run it continues
-    left = d._write_spool(None if not d._pending or d._pending[0]["op"] == "run" else
-                          {"op": "run", "run_key": key, "run_id": d._runs.get(key), "uri": d.uri})
-    runs = {rid: d._client.get_run(rid).info.status for rid in set(d._runs.values())} if not left else {}
-    return {"delivered": d._delivered, "left": left, "runs": runs, "uri": d.uri,
-            "error": (refusal(err, d._uri) or redact(f"{type(err).__name__}: {str(err)[:200]}"))
-            if left and err else None}
-
-
-def spooled(run_dir: str | os.PathLike) -> int:
-    """How many records (metrics, tags, artifacts, run ends) wait in ``RUN_DIR/mlflow_spool.jsonl``."""
-    p = Path(run_dir) / SPOOL
-    try:
-        lines = p.read_text().splitlines()
-    except OSError:
-        return 0
-    return sum(1 for line in lines if line.strip() and json.loads(line).get("op") != "run")
-
-
-def outcome(run_dir: str | os.PathLike) -> str:
-    """One line saying what tracking did for a finished job's run dir: delivered, or how many
-    records wait and the `vitp sync` command that delivers them."""
-    n = spooled(run_dir)
-    if n:
-        return f"tracking: {n} records spooled in {Path(run_dir) / SPOOL}; deliver them with `vitp sync {run_dir}`"
-    return "tracking: delivered"
-
-
-def start_tracking(cfg, run_dir: str | os.PathLike, *, rank: int, world_size: int, stage: str,
-                   run_id: str | None = None, run_key: str | None = None,
-                   params: dict[str, Any] | None = None, datasets: list[dict] | None = None,
-                   uri: str | None = None, parent_run_id: str | None = None, run_name: str | None = None,
-                   experiment: str | None = None) -> NullTracker:
-    """The tracker for this process: a real one on rank 0 when tracking is enabled.
-
-    A resumed job passes the ``run_id`` (and ``run_key``) its checkpoint recorded to continue that run.
-    ``datasets``: pipeline.data.dataset_inputs(...) of what the stage reads. ``uri``/``parent_run_id``:
-    an evaluation nests its run under the evaluated one, in that run's store.
-    """
-    if rank != 0 or not cfg.tracking.enabled:
-        return NullTracker()
-    run_dir = Path(run_dir)
-    uri = uri or resolve_uri(cfg, run_dir)
-    local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
-    tags = {"stage": stage, "host": socket.gethostname(), "world_size": world_size, **source_tags(stage)}
-    if os.environ.get("SLURM_JOB_ID"):
-        tags["slurm_job_id"] = os.environ["SLURM_JOB_ID"]
-    # a launcher's shared tags, e.g. every task of a sweep array: {"sweep": "<id>", "sweep_index": 3}
-    try:
-        tags.update(json.loads(os.environ.get("VITP_MLFLOW_TAGS") or "{}"))
-    except json.JSONDecodeError:
-        warnings.warn("VITP_MLFLOW_TAGS is not a JSON object; ignored", stacklevel=2)
-    t = Tracker(uri, experiment=experiment or cfg.tracking.experiment,
-                run_name=run_name or cfg.run.name or run_dir.name,
-                spool_dir=run_dir, run_id=run_id, run_key=run_key, params=params, tags=tags,
-                flush_every_s=cfg.tracking.flush_every_s, parent_run_id=parent_run_id,
-                artifact_location=(run_dir.resolve() / "mlartifacts").as_uri() if local else None,
-                system_metrics_every_s=cfg.tracking.system_metrics_every_s if cfg.tracking.system_metrics else None)
-    t.log_inputs(datasets or [])
-    return t

@@ -1,0 +1,16 @@
+"""Where a run's records go: sinks behind one interface (pipeline/tracking/sink.py).
+
+    sink.py         Sink (the interface; the base does nothing) and Sinks (fans out to several)
+    jsonl.py        JsonlSink: RUN_DIR/metrics.jsonl on rank 0
+    mlflow_sink.py  MlflowSink: an MLflow run, sent by a background thread, spooled when the server
+                    is away (`vitp sync`); the only module that imports mlflow
+    setup.py        what a stage calls: resolve_uri, check_access, start_mlflow
+
+The training loop and the evaluation stage both use this package; it imports nothing from
+pipeline/train or pipeline/eval.
+"""
+
+from pipeline.tracking.jsonl import METRICS, JsonlSink
+from pipeline.tracking.sink import Sink, Sinks
+
+__all__ = ["METRICS", "JsonlSink", "Sink", "Sinks"]

@@ -30,8 +30,6 @@ class TrainBatches(Protocol):
     """A rank's training micro-batches ``(images uint8 [B, 3, S, S], labels)``; labels are int64 [B],
     or multi-hot bool [B, K] on multi-label data. Checkpointed through ``state_dict``."""
 
-    steps_per_epoch: int
-
     def forever(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Micro-batches across epochs without end."""
         ...
@@ -54,12 +52,12 @@ class TrainBatches(Protocol):
 
 @runtime_checkable
 class EvalBatches(Protocol):
-    """Each sample of a split once over all ranks, as ``num_batches`` batches per rank (the same on
+    """Each sample of a split once over all ranks, as ``len()`` batches per rank (the same on
     every rank) of ``(images uint8 [B, 3, S, S], labels, valid bool [B])``; padding rows are invalid."""
 
-    num_batches: int
-
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        """The number of batches, the same on every rank (the eval loop runs collectives in lock-step)."""
+        ...
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]: ...
 

@@ -42,7 +42,7 @@ def test_both_sources_give_the_declared_interface(kind, shards):
         assert train.position == divmod(k, 3)
     assert dict(train.skipped) == {}  # nothing bad in these samples (synthetic ones never are)
     ev = src.eval_loader(cfg, img_size=16, batch=2, rank=1, world_size=2, split="val")
-    assert isinstance(ev, EvalBatches) and len(ev) == ev.num_batches == 1
+    assert isinstance(ev, EvalBatches) and len(ev) == 1
     (x, y, valid), = list(ev)
     assert x.shape == (2, 3, 16, 16) and int(valid.sum()) == (2 if kind == "shards" else 1)  # [1, 3) or 1::2
     n = src.normalize(torch.tensor([0, 255], dtype=torch.uint8).view(2, 1, 1, 1).expand(2, 3, 1, 1))

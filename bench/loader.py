@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import DataCfg  # noqa: E402
 from pipeline.data.augment import TrainTransform, normalize, stack  # noqa: E402
-from pipeline.data.loader import TrainLoader, _as_is  # noqa: E402  (_as_is: the loader's collate_fn)
+from pipeline.data.loader import TrainLoader, collate_as_is  # noqa: E402  (the loader's collate_fn)
 
 SIZE, SCALE = 224, (0.08, 1.0)
 
@@ -154,7 +154,7 @@ def pipelines(root: Path, samples, batch: int, workers: int):
 
     def inmem():
         return torch.utils.data.DataLoader(InMemory(samples, batch), batch_size=None, num_workers=workers,
-                                           worker_init_fn=_one_thread, collate_fn=_as_is)
+                                           worker_init_fn=_one_thread, collate_fn=collate_as_is)
 
     def folder():
         tf = T.Compose([T.RandomResizedCrop(SIZE, scale=SCALE), T.RandomHorizontalFlip(), T.PILToTensor()])

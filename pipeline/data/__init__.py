@@ -1,38 +1,40 @@
-"""The datasets stages read, behind one interface that both sources implement:
+"""The datasets stages read, behind one declared interface (source.py) that both sources implement:
 
-    source_for(path)           the module for ``data.path``: loader (a `vitp prep` folder) or synthetic
-    module.read_info(path)     -> Info (classes, splits with sample counts)
-    module.TrainLoader(...)    endless micro batches (uint8 [B, 3, H, W], labels), resumable state
-    module.EvalLoader(...)     each sample once over all ranks: (uint8 images, labels, valid mask)
-    module.normalize(x)        uint8 on the device -> the model's input range
+    source = source_for(path)        a DataSource for ``data.path``: ShardSource (a `vitp prep` folder)
+                                     or SyntheticSource (``synthetic:...``)
+    source.read_info()               -> Info (classes, splits with sample counts)
+    source.train_loader(cfg.data, ...)  endless micro batches (uint8 [B, 3, H, W], labels), resumable
+    source.eval_loader(cfg.data, ...)   each sample once over all ranks: (uint8 images, labels, valid mask)
+    source.normalize(x)              uint8 on the device -> the model's input range
 
 shards.py reads tars and ``_info.json`` (its only parser); loader.py decodes and batches them;
-augment.py holds the image transforms; synthetic.py is an in-memory set for tests and smoke runs.
+augment.py holds the image transforms; mixing.py mixup/cutmix/label smoothing (the training step's,
+after the loader); synthetic.py is an in-memory set for tests and smoke runs.
 """
 
 from __future__ import annotations
 
 import json
-import os
 
 from pipeline.data.shards import DataError, Info, SplitInfo
+from pipeline.data.source import DataSource, EvalBatches, TrainBatches
 
 
-def source_for(path: str):
-    """pipeline.data.synthetic for ``synthetic:...``, else the shard loader pipeline.data.loader."""
+def source_for(path: str) -> DataSource:
+    """The source for ``data.path``: SyntheticSource for ``synthetic[:...]``, else a ShardSource."""
     from pipeline.data import synthetic
 
     if synthetic.is_synthetic(path):
-        return synthetic
+        return synthetic.SyntheticSource(path)
     if not path:
         raise DataError("data.path: empty; give a `vitp prep` output folder (or synthetic: for a smoke run)")
-    from pipeline.data import loader
+    from pipeline.data.loader import ShardSource
 
-    return loader
+    return ShardSource(path)
 
 
 def read_info(path: str) -> Info:
-    return source_for(path).read_info(path)
+    return source_for(path).read_info()
 
 
 def num_classes(data_cfg, model_classes: int = 0) -> int:
@@ -44,14 +46,8 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
     """What a run read, as MLflow dataset inputs: one per split (``contexts``: split -> "training" |
     "evaluation"; None or missing splits are left out). The folder is the source, prep's plan id (or a
     content hash) the digest, split/sample/class/shard counts the profile."""
-    from pipeline.data import synthetic
-
-    info = read_info(path)
-    if synthetic.is_synthetic(path):
-        base, source = "synthetic", ("synthetic", json.dumps({"spec": str(path)}))
-    else:
-        base = os.path.basename(os.path.normpath(str(path)))
-        source = ("local", json.dumps({"uri": os.path.abspath(path)}))
+    src = source_for(path)
+    info, base, source = src.read_info(), src.dataset_name(), (src.kind, json.dumps(src.source_fields()))
     schema = json.dumps({"mlflow_colspec": [{"type": "binary", "name": "image", "required": True},
                                             {"type": "long", "name": "label", "required": True}]})
     out = []
@@ -66,4 +62,5 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
     return out
 
 
-__all__ = ["DataError", "Info", "SplitInfo", "dataset_inputs", "num_classes", "read_info", "source_for"]
+__all__ = ["DataError", "DataSource", "EvalBatches", "Info", "SplitInfo", "TrainBatches", "dataset_inputs",
+           "num_classes", "read_info", "source_for"]

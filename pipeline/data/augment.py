@@ -1,4 +1,4 @@
-"""Per-sample image transforms (bytes → uint8 [3, H, W]) and on-device batch ops (normalize, mixup).
+"""Per-sample image transforms (bytes → uint8 [3, H, W]) and on-device batch ops (normalize); mixup lives in mixing.py.
 
 Every random choice a train transform makes is drawn from the integer ``seed`` it is called with, so
 a sample's augmentation depends only on (run seed, epoch, rank, stream, position) and not on what the
@@ -36,7 +36,7 @@ class DecodeError(ValueError):
     """An image member that cannot be decoded (the loader counts and skips it)."""
 
 
-class _Source:
+class EncodedImage:
     """An encoded image: its size from the header, and a decode to RGB uint8 [H, W, 3], at a DCT
     scale n/8 (``scalable``: plain JPEGs) or at full size (other formats; n is then ignored)."""
 
@@ -80,7 +80,7 @@ class _Source:
             raise DecodeError(f"cannot decode image: {e}") from None
 
 
-def decode_crop(src: _Source, box: tuple[int, int, int, int], out_w: int, out_h: int,
+def decode_crop(src: EncodedImage, box: tuple[int, int, int, int], out_w: int, out_h: int,
                 cubic: bool = False) -> np.ndarray:
     """The crop ``box`` = (left, top, width, height) of ``src`` → uint8 [out_h, out_w, 3], decoded at
     the DCT scale that leaves the crop a >= 2x reduction (full size when none does)."""
@@ -149,7 +149,7 @@ class TrainTransform:
 
     def __call__(self, data: bytes, seed: int) -> torch.Tensor:
         rng = random.Random(seed)
-        src = _Source(data)
+        src = EncodedImage(data)
         w, h, s = src.w, src.h, self.size
         # the crop box is known before decoding, so the decode can be reduced to what the crop needs
         a = decode_crop(src, inception_crop_box(w, h, rng, self.scale), s, s)
@@ -179,7 +179,7 @@ class EvalTransform:
         self.crop_pct = float(crop_pct)
 
     def __call__(self, data: bytes, seed: int = 0) -> torch.Tensor:
-        src = _Source(data)
+        src = EncodedImage(data)
         w, h, s = src.w, src.h, self.size
         if self.crop_pct >= 1.0:
             return _chw(decode_crop(src, (0, 0, w, h), s, s, cubic=True))
@@ -307,49 +307,3 @@ def normalize(images: torch.Tensor, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
     # buffers and their page faults dominate on the CPU), and the same numbers; a cast fused into
     # sub (torch.sub(uint8, float, out=)) takes the slow type-promoting path, ~2.7x slower
     return images.to(torch.float32).sub_(m).div_(s).to(dtype)
-
-
-class Mixer:
-    """Mixup / CutMix / label smoothing on a normalised batch, with randomness drawn from
-    ``(seed, epoch, step, rank)`` so a resumed run mixes exactly as the uninterrupted one.
-
-    ``__call__(x [B, 3, H, W] float, y [B] int64) -> (x, soft targets [B, K] float32)``; with mixup
-    and cutmix off it only one-hot encodes (with smoothing). B must be even when mixing.
-
-    ``multi_label``: y is multi-hot [B, K] (bool or float). Mixing combines two images' label sets as
-    it does one-hot rows (lam·y + (1-lam)·y[flipped]); smoothing treats every class as its own binary
-    label and moves it towards 0.5 (y·(1-s) + s/2), timm's multi-label convention, made for the
-    per-class sigmoid loss (the softmax loss normalises each row into a distribution).
-    """
-
-    def __init__(self, num_classes: int, mixup: float = 0.0, cutmix: float = 0.0, label_smoothing: float = 0.0,
-                 multi_label: bool = False):
-        self.num_classes, self.smoothing = int(num_classes), float(label_smoothing)
-        self.multi_label = bool(multi_label)
-        self.enabled = mixup > 0 or cutmix > 0
-        self._mix = None
-        if self.enabled:
-            from timm.data import Mixup
-
-            self._mix = Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=label_smoothing,
-                              num_classes=self.num_classes, multi_label=self.multi_label)
-
-    def one_hot(self, y: torch.Tensor) -> torch.Tensor:
-        if self.multi_label:
-            return y.float() * (1.0 - self.smoothing) + 0.5 * self.smoothing
-        off = self.smoothing / self.num_classes
-        t = torch.full((y.shape[0], self.num_classes), off, device=y.device, dtype=torch.float32)
-        return t.scatter_(1, y.view(-1, 1).long(), 1.0 - self.smoothing + off)
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, *, seed: int, epoch: int, step: int, rank: int):
-        if self._mix is None:
-            return x, self.one_hot(y)
-        if x.shape[0] % 2:
-            raise ValueError(f"mixup/cutmix need an even micro batch; got {x.shape[0]}")
-        state = np.random.get_state()
-        np.random.seed(np.random.SeedSequence([seed, epoch, step, rank, 7]).generate_state(1)[0])
-        try:
-            x, t = self._mix(x, y)
-        finally:
-            np.random.set_state(state)
-        return x, t.float()

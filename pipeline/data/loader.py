@@ -19,7 +19,10 @@ Batches go out as uint8; the training loop normalises on the device::
 
     for images, labels in loader:                       # one epoch (the rest of it after a resume)
         x = normalize(images.to(dev, non_blocking=True))  # [B, 3, S, S] float in [-1, 1]
-        x, targets = loader.mix(x, labels.to(dev))        # mixup/cutmix/smoothing → [B, K] float
+
+Mixup/cutmix come after, outside the loader (pipeline.data.mixing, seeded by ``loader.position``).
+:class:`ShardSource` is this module's :class:`~pipeline.data.source.DataSource`; the worker side reads
+its settings from one frozen :class:`StreamSpec`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import os
 import signal
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,7 +44,6 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .augment import (
     EvalTransform,
-    Mixer,
     TrainTransform,
     augment_batch,
     eval_batch,
@@ -52,20 +55,21 @@ from .shards import (  # re-exported: callers import the dataset API from here
     SKIP_REASONS,
     DataError,
     Info,
+    SkipCounts,
     SplitInfo,
-    _Counts,
-    _read_positions,
-    _read_shard,
-    _segments,
-    _stop,
     info_file,
+    range_stop,
     read_info,
+    read_positions,
+    read_shard,
+    segments,
 )
+from .source import DataSource
 from .synthetic import is_synthetic
 from .synthetic import read_info as synthetic_info
 
 __all__ = ["Info", "SplitInfo", "read_info", "check_splits", "TrainLoader", "EvalLoader", "normalize", "DataError",
-           "SKIP_REASONS"]
+           "SKIP_REASONS", "ShardSource", "StreamSpec", "collate_as_is"]
 
 
 # ── Before a run starts ─────────────────────────────────────────────────────────────────────────────
@@ -148,7 +152,8 @@ def _kill_workers_at_exit() -> None:
 atexit.register(_kill_workers_at_exit)
 
 
-def _as_is(x):  # collate_fn: batches are made in the workers; keep numpy arrays numpy on the way
+def collate_as_is(x):
+    """The loader's DataLoader collate_fn: batches are made in the workers; numpy arrays stay numpy."""
     return x
 
 
@@ -166,11 +171,39 @@ def _unwire(batch: tuple) -> tuple:
 def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
     """The dataset's items through ``workers`` processes (0: in this process), as tensors."""
     src = ds if workers <= 0 else DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker,
-                                             collate_fn=_as_is, pin_memory=pin_memory, persistent_workers=False)
+                                             collate_fn=collate_as_is, pin_memory=pin_memory, persistent_workers=False)
     return map(_unwire, src)
 
 
 # ── Training ───────────────────────────────────────────────────────────────────────────────────────
+@dataclass(frozen=True)
+class StreamSpec:
+    """Everything a worker needs to make a rank's training batches; pickled to each worker once."""
+
+    seed: int
+    rank: int
+    split: SplitInfo
+    num_classes: int
+    multi_label: bool
+    micro_batch: int  # B
+    micro_batches: int  # per rank and epoch, over all of its streams
+    resampled: bool  # shards drawn with replacement instead of an epoch's permutation
+    shuffle_buffer: int
+    img_size: int
+    crop_scale: tuple[float, float]
+    hflip: bool
+    randaugment: str | None
+
+    def quota_start(self, stream: int, n: int) -> int:
+        """Where (rank, stream) of ``n`` streams starts in the epoch's sample sequence."""
+        m = self.micro_batches
+        before = sum(m // n + (s < m % n) for s in range(stream))
+        return (self.rank * m + before) * self.micro_batch
+
+    def transform(self) -> TrainTransform:
+        return TrainTransform(self.img_size, self.crop_scale, self.hflip, self.randaugment)
+
+
 class _TrainRun(IterableDataset):
     """A rank's micro-batches from (``epoch``, ``start``) on, for ``epochs`` epochs (None: without
     end, so one DataLoader's workers serve the whole run instead of restarting every epoch).
@@ -183,12 +216,12 @@ class _TrainRun(IterableDataset):
     """
 
     def __init__(self, loader: TrainLoader, epoch: int, start: int, epochs: int | None = None):
-        self.p, self.epoch, self.start, self.epochs = loader._params(), epoch, start, epochs
+        self.spec, self.epoch, self.start, self.epochs = loader.stream_spec(), epoch, start, epochs
 
     def __iter__(self):
-        p = self.p
+        p = self.spec
         d, n = _worker()
-        m = p["micro_batches"]
+        m = p.micro_batches
         before = -self.start  # batches of the run yielded before epoch e begins, minus start
         for k in itertools.count() if self.epochs is None else range(self.epochs):
             first = self.start if k == 0 else 0
@@ -199,42 +232,35 @@ class _TrainRun(IterableDataset):
             before += m
 
 
-def _stream_quota_start(p, stream: int, n: int) -> int:
-    """Where (rank, stream) starts in the epoch's sample sequence."""
-    m, mb = p["micro_batches"], p["micro_batch"]
-    before = sum(m // n + (s < m % n) for s in range(stream))
-    return (p["rank"] * m + before) * mb
-
-
-def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts) -> Iterator:
+def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, counts: SkipCounts) -> Iterator:
     """Endless raw samples of (rank, stream) for this epoch: its range, then (if bad samples left it
     short) the range again with a new shuffle; resampled mode draws shards with replacement."""
-    seed, rank, sp, K, ml = p["seed"], p["rank"], p["split"], p["num_classes"], p["multi_label"]
+    seed, rank, sp, K, ml = p.seed, p.rank, p.split, p.num_classes, p.multi_label
     lengths, urls = list(sp.lengths), sp.urls
-    if p["resampled"]:
+    if p.resampled:
         rng = np.random.default_rng([seed, epoch, rank, stream, 1])
 
         def draws():
             while True:
                 got = 0
                 for _ in range(len(urls)):
-                    for x in _read_shard(urls[int(rng.integers(len(urls)))], counts, 0, None, num_classes=K,
+                    for x in read_shard(urls[int(rng.integers(len(urls)))], counts, 0, None, num_classes=K,
                                          multi_label=ml):
                         got += 1
                         yield x
                 if not got:
                     raise DataError(f"{sp.name}: {len(urls)} shards drawn in a row held no readable sample")
 
-        yield from shuffle_buffer(draws(), p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 2]))
+        yield from shuffle_buffer(draws(), p.shuffle_buffer, np.random.default_rng([seed, epoch, rank, stream, 2]))
         return
     order = np.random.default_rng([seed, epoch, 0]).permutation(len(urls))
-    segs = _segments(lengths, order, _stream_quota_start(p, stream, n), count * p["micro_batch"])
+    segs = segments(lengths, order, p.quota_start(stream, n), count * p.micro_batch)
     for rnd in itertools.count():
         got = 0
         counts.rereading = rnd > 0
         raw = (x for s, lo, hi in segs
-               for x in _read_shard(urls[s], counts, lo, _stop(hi, lengths[s]), num_classes=K, multi_label=ml))
-        for x in shuffle_buffer(raw, p["shuffle_buffer"], np.random.default_rng([seed, epoch, rank, stream, 3, rnd])):
+               for x in read_shard(urls[s], counts, lo, range_stop(hi, lengths[s]), num_classes=K, multi_label=ml))
+        for x in shuffle_buffer(raw, p.shuffle_buffer, np.random.default_rng([seed, epoch, rank, stream, 3, rnd])):
             got += 1
             yield x
         if not got:
@@ -242,12 +268,12 @@ def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: _Counts)
                             f"{sorted({urls[s] for s, _, _ in segs})}")
 
 
-def _train_stream(p, epoch: int, stream: int, n: int, count: int, done: int):
+def _train_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, done: int):
     """Batches ``done .. count-1`` of (rank, stream): (images, labels, keys, skip-count delta)."""
-    counts, seen_bad = _Counts(), set()
-    mb, seed, rank = p["micro_batch"], p["seed"], p["rank"]
-    classes = p["num_classes"] if p["multi_label"] else None
-    tf = TrainTransform(p["img_size"], p["crop_scale"], p["hflip"], p["randaugment"])
+    counts, seen_bad = SkipCounts(), set()
+    mb, seed, rank = p.micro_batch, p.seed, p.rank
+    classes = p.num_classes if p.multi_label else None
+    tf = p.transform()
     raw = enumerate(_raw_stream(p, epoch, stream, n, count, counts))
     counts.active = False  # already counted before the checkpoint
     for _ in itertools.islice(raw, done * mb):
@@ -279,7 +305,7 @@ class TrainLoader:
     ``steps_per_epoch = max(1, num_samples // global_batch)`` optimizer steps, each made of
     ``accum_steps = global_batch / (world_size × micro_batch)`` micro-batches per rank.
     ``skipped``: reason → count of bad samples seen on this rank (log it as a metric).
-    ``mix(x, y)``: mixup/cutmix/label smoothing for the batch last yielded (see :class:`Mixer`).
+    ``position``: (epoch, micro-batch) of the batch last yielded (seeds :class:`~pipeline.data.mixing.Mixer`).
     """
 
     def __init__(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int,
@@ -299,24 +325,23 @@ class TrainLoader:
         self.accum_steps = global_batch // (world_size * micro_batch)
         self.steps_per_epoch = max(1, self.split.num_samples // global_batch)
         self.micro_batches_per_epoch = self.steps_per_epoch * self.accum_steps
-        TrainTransform(self.img_size, cfg_data.crop_scale, cfg_data.hflip, cfg_data.randaugment)  # fail early
-        self.mixer = Mixer(self.info.num_classes, cfg_data.mixup, cfg_data.cutmix, cfg_data.label_smoothing,
-                           multi_label=self.info.multi_label)
+        self.stream_spec().transform()  # a bad crop scale or randaugment string fails here, not in a worker
         self.epoch, self.step = 0, 0
         self.skipped: dict[str, int] = {}
-        self._last = (0, 0)
+        self.position = (0, 0)
 
     @property
     def num_classes(self) -> int:
         return self.info.num_classes
 
-    def _params(self) -> dict:
+    def stream_spec(self) -> StreamSpec:
+        """The settings the workers make this rank's batches from (the seed as loaded from a checkpoint)."""
         c = self.cfg
-        return {"seed": self.seed, "rank": self.rank, "split": self.split, "num_classes": self.info.num_classes,
-                "multi_label": self.info.multi_label,
-                "micro_batch": self.micro_batch, "micro_batches": self.micro_batches_per_epoch,
-                "resampled": c.resampled, "shuffle_buffer": c.shuffle_buffer, "img_size": self.img_size,
-                "crop_scale": tuple(c.crop_scale), "hflip": c.hflip, "randaugment": c.randaugment}
+        return StreamSpec(seed=self.seed, rank=self.rank, split=self.split, num_classes=self.info.num_classes,
+                          multi_label=self.info.multi_label, micro_batch=self.micro_batch,
+                          micro_batches=self.micro_batches_per_epoch, resampled=c.resampled,
+                          shuffle_buffer=c.shuffle_buffer, img_size=self.img_size, crop_scale=tuple(c.crop_scale),
+                          hflip=c.hflip, randaugment=c.randaugment)
 
     def __len__(self) -> int:
         return self.micro_batches_per_epoch
@@ -342,16 +367,9 @@ class TrainLoader:
                 self.epoch, self.step = self.epoch + 1, 0
             for k, v in skipped.items():
                 self.skipped[k] = self.skipped.get(k, 0) + v
-            self._last = (self.epoch, self.step)
+            self.position = (self.epoch, self.step)
             self.step += 1
             yield (images, labels, keys) if self.return_keys else (images, labels)
-
-    def mix(self, images: torch.Tensor, labels: torch.Tensor):
-        """Normalised images [B, 3, S, S] float, labels [B] int64 or multi-hot [B, K] (on any device) → (images, soft
-        targets [B, K] float32): mixup/cutmix (timm) with label smoothing, seeded by the position of
-        the batch last yielded; only one-hot/smoothing when mixup and cutmix are off."""
-        epoch, step = self._last
-        return self.mixer(images, labels, seed=self.seed, epoch=epoch, step=step, rank=self.rank)
 
     def state_dict(self) -> dict:
         """Position after the last yielded micro-batch (equal on every rank except ``skipped``)."""
@@ -390,8 +408,8 @@ class _EvalRank(IterableDataset):
     def __iter__(self):
         d, n = _worker()
         b0, b1 = d * self.nb // n, (d + 1) * self.nb // n
-        counts, B = _Counts(), self.B
-        raw = _read_positions(self.sp, self.pos[b0 * B:b1 * B], counts, num_classes=self.K, multi_label=self.ml)
+        counts, B = SkipCounts(), self.B
+        raw = read_positions(self.sp, self.pos[b0 * B:b1 * B], counts, num_classes=self.K, multi_label=self.ml)
 
         def undecodable(key, err):
             counts.add("undecodable_image")
@@ -447,3 +465,29 @@ class EvalLoader:
             for k, v in skipped.items():
                 self.skipped[k] = self.skipped.get(k, 0) + v
             yield (images, labels, mask, keys) if self.return_keys else (images, labels, mask)
+
+
+# ── The source ─────────────────────────────────────────────────────────────────────────────────────
+class ShardSource(DataSource):
+    """A `vitp prep` folder of WebDataset shards as a :class:`~pipeline.data.source.DataSource`."""
+
+    kind = "local"
+    normalize = staticmethod(normalize)
+
+    def _read_info(self) -> Info:
+        return read_info(self.path)
+
+    def train_loader(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, rank: int,
+                     world_size: int, seed: int, pin_memory: bool = False) -> TrainLoader:
+        return TrainLoader(cfg_data, img_size=img_size, micro_batch=micro_batch, global_batch=global_batch,
+                           rank=rank, world_size=world_size, seed=seed, pin_memory=pin_memory)
+
+    def eval_loader(self, cfg_data, *, img_size: int, batch: int, rank: int, world_size: int,
+                    split: str) -> EvalLoader:
+        return EvalLoader(cfg_data, img_size=img_size, batch=batch, rank=rank, world_size=world_size, split=split)
+
+    def dataset_name(self) -> str:
+        return os.path.basename(os.path.normpath(self.path))
+
+    def source_fields(self) -> dict:
+        return {"uri": os.path.abspath(self.path)}

@@ -1,10 +1,10 @@
 """Shard files → raw samples: the dataset description (``_info.json``) and tar reading, no decoding.
 
-``_read_shard`` yields (key, image bytes, label) for a position range of one shard; a truncated
+``read_shard`` yields (key, image bytes, label) for a position range of one shard; a truncated
 tar, a sample without a valid ``.cls`` or without an image is counted by reason and skipped, so
 positions agree with prep's ``shard_lengths``. In a multi-label dataset (``_info.json``:
 ``"multi_label": true``) the label is the tuple of class indices in the sample json's ``labels``
-(``.cls`` is only the primary one); ``_read_positions`` reads any sorted positions of a split.
+(``.cls`` is only the primary one); ``read_positions`` reads any sorted positions of a split.
 Remote shards (``pipe:``, http, s3) are opened with webdataset's ``gopen``; local ones as plain
 files, seekable, so skipping costs header reads only.
 
@@ -111,11 +111,11 @@ def read_info(path: str | os.PathLike) -> Info:
 
 
 def _count_samples(url: str) -> int:
-    return sum(1 for _ in _read_shard(url, _Counts(), 0, None, num_classes=None, read=False))
+    return sum(1 for _ in read_shard(url, SkipCounts(), 0, None, num_classes=None, read=False))
 
 
 # ── Raw samples out of tars (no decoding) ──────────────────────────────────────────────────────────
-class _Counts(dict):
+class SkipCounts(dict):
     """Skip counters by reason; ``active=False`` while re-reading already-consumed samples."""
 
     active = True  # False while skipping samples consumed before a resume (counted then)
@@ -247,7 +247,7 @@ def _multi_labels(meta: bytes | None, num_classes: int | None) -> tuple[int, ...
     return tuple(labels)
 
 
-def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_classes: int | None,
+def read_shard(url: str, counts: SkipCounts, start: int, stop: int | None, *, num_classes: int | None,
                 read: bool = True, multi_label: bool = False) -> Iterator[tuple[str, bytes | None, int | tuple]]:
     """Valid samples ``start <= i < stop`` of one shard as (key, image bytes, label).
 
@@ -332,7 +332,7 @@ def _read_shard(url: str, counts: _Counts, start: int, stop: int | None, *, num_
         warnings.warn(f"{url}: corrupt or cut-off shard, rest skipped ({e})", stacklevel=2)
 
 
-def _segments(lengths: list[int], order, start: int, count: int) -> list[tuple[int, int, int]]:
+def segments(lengths: list[int], order, start: int, count: int) -> list[tuple[int, int, int]]:
     """Positions ``[start, start+count)`` of the (cyclic) concatenation of shards in ``order`` →
     [(shard, lo, hi)] slices."""
     total = sum(lengths[s] for s in order)
@@ -348,14 +348,14 @@ def _segments(lengths: list[int], order, start: int, count: int) -> list[tuple[i
     return out
 
 
-def _stop(hi: int, length: int) -> int | None:
+def range_stop(hi: int, length: int) -> int | None:
     """A range that ends with its shard reads on to the end: trailing bad samples get counted and
     a cut-off tar is noticed even when the cut fell after the last good sample."""
     return None if hi >= length else hi
 
 
-def _read_positions(sp: SplitInfo, positions, counts: _Counts, **kw) -> Iterator[tuple]:
-    """Samples at the sorted ``positions`` of split ``sp`` (its shards in order), as ``_read_shard``
+def read_positions(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> Iterator[tuple]:
+    """Samples at the sorted ``positions`` of split ``sp`` (its shards in order), as ``read_shard``
     yields them (``kw``: its keywords). Each shard's part is one pass from its first wanted position
     to its last; a contiguous range reads exactly that range."""
     n = len(positions)
@@ -371,7 +371,7 @@ def _read_positions(sp: SplitInfo, positions, counts: _Counts, **kw) -> Iterator
         local = pos[j:k] - cum[s]
         lo, hi = int(local[0]), int(local[-1]) + 1
         want = None if hi - lo == k - j else set(local.tolist())
-        for i, x in enumerate(_read_shard(sp.urls[s], counts, lo, _stop(hi, sp.lengths[s]), **kw), lo):
+        for i, x in enumerate(read_shard(sp.urls[s], counts, lo, range_stop(hi, sp.lengths[s]), **kw), lo):
             if want is None or i in want:
                 yield x
         j = k

@@ -1,4 +1,4 @@
-"""A deterministic in-memory image-classification set with pipeline/data/loader.py's loader interface.
+"""A deterministic in-memory image-classification set: :class:`SyntheticSource`, a DataSource.
 
 ``data.path=synthetic`` (options: ``synthetic:classes=10,train=2048,val=256,noise=60``) trains
 without any files: tests, benchmarks, smoke runs. Sample ``i`` of a split is a fixed per-class
@@ -18,6 +18,7 @@ import json
 import torch
 
 from pipeline.data.shards import Info, SplitInfo
+from pipeline.data.source import DataSource
 
 PREFIX = "synthetic:"
 _DEFAULTS = {"classes": 10, "train": 2048, "val": 256, "noise": 60}
@@ -80,8 +81,6 @@ class TrainLoader:
         self.accum = global_batch // (micro_batch * world_size)
         self.n = self.spec["train"]
         self.steps_per_epoch = max(1, self.n // global_batch)
-        self.skipped: dict[str, int] = {}  # the shard loader counts undecodable samples here, by reason
-        self.mix = None  # the shard loader's mixup/cutmix hook; synthetic data has none
         self._templates = _templates(self.spec["classes"], img_size)
         self._micro_done = 0  # micro batches yielded by this rank
         self._perm_epoch, self._perm = -1, None
@@ -112,13 +111,22 @@ class TrainLoader:
         """Micro batches without end (the stream already crosses epochs)."""
         return iter(self)
 
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, micro batch within it) of the batch last yielded, epochs of ``steps_per_epoch`` steps."""
+        return divmod(max(self._micro_done - 1, 0), self.steps_per_epoch * self.accum)
+
+    @property
+    def skipped(self) -> dict[str, int]:
+        """Always empty: generated samples are never bad."""
+        return {}
+
     def state_dict(self) -> dict:
         """Position in optimizer steps (world-size independent); call at a step boundary."""
-        return {"steps": self._micro_done // self.accum, "skipped": dict(self.skipped)}
+        return {"steps": self._micro_done // self.accum}
 
     def load_state_dict(self, state: dict) -> None:
         self._micro_done = int(state["steps"]) * self.accum
-        self.skipped = dict(state.get("skipped") or {})
 
     def __repr__(self) -> str:
         return f"synthetic TrainLoader({json.dumps(self.spec)})"
@@ -152,3 +160,22 @@ class EvalLoader:
                 x[:len(idx)], y[:len(idx)] = _samples(idx, 1, self.spec, self.img_size, self._templates)
                 valid[:len(idx)] = True
             yield x, y, valid
+
+
+class SyntheticSource(DataSource):
+    """``synthetic[:options]`` as a :class:`~pipeline.data.source.DataSource` (no files)."""
+
+    kind = "synthetic"
+    normalize = staticmethod(normalize)
+
+    def _read_info(self) -> Info:
+        return read_info(self.path)
+
+    def train_loader(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, rank: int,
+                     world_size: int, seed: int, pin_memory: bool = False) -> TrainLoader:
+        return TrainLoader(cfg_data, img_size=img_size, micro_batch=micro_batch, global_batch=global_batch,
+                           rank=rank, world_size=world_size, seed=seed, pin_memory=pin_memory)
+
+    def eval_loader(self, cfg_data, *, img_size: int, batch: int, rank: int, world_size: int,
+                    split: str) -> EvalLoader:
+        return EvalLoader(cfg_data, img_size=img_size, batch=batch, rank=rank, world_size=world_size, split=split)

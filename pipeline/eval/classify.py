@@ -350,8 +350,8 @@ def fewshot_summary(res: dict[int, dict], prefix: str = "fewshot") -> dict[str, 
 # --------------------------------------------------------------------------------------------------
 def eval_batches(data_cfg, split: str, *, img_size: int, batch: int, rank: int = 0, world_size: int = 1):
     """This rank's share of `split`: (uint8 [B, 3, H, W], int64 [B]); every sample once over all ranks."""
-    return source_for(data_cfg.path).EvalLoader(data_cfg, img_size=img_size, batch=batch, rank=rank,
-                                                world_size=world_size, split=split)
+    return source_for(data_cfg.path).eval_loader(data_cfg, img_size=img_size, batch=batch, rank=rank,
+                                                 world_size=world_size, split=split)
 
 
 def dataset_info(data_cfg) -> tuple[int, list[str]]:

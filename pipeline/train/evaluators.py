@@ -40,7 +40,7 @@ import torch
 from pipeline.config import Config, DataCfg, fewshot_sets
 from pipeline.data import DataError
 from pipeline.data import loader as shard_loader
-from pipeline.data.shards import _Counts, _read_shard
+from pipeline.data.shards import SkipCounts, read_shard
 from pipeline.distributed import all_gather_object, all_reduce, gather_object, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval import fewshot as fs
 from pipeline.train.checkpoint import maybe_fault
@@ -53,7 +53,7 @@ PREFIX = "fewshot/"
 def train_labels(info, split: str, rank: int, world: int) -> np.ndarray:
     """Labels [N] of every sample of ``split`` in position order; rank r reads shards r, r+W, ..."""
     sp = info.split(split)
-    mine = {s: [x[2] for x in _read_shard(sp.urls[s], _Counts(), 0, None, num_classes=info.num_classes, read=False)]
+    mine = {s: [x[2] for x in read_shard(sp.urls[s], SkipCounts(), 0, None, num_classes=info.num_classes, read=False)]
             for s in range(rank, len(sp.urls), world)}
     shards: dict[int, list[int]] = {}
     for part in all_gather_object(mine):

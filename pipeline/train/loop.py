@@ -31,6 +31,7 @@ import torch
 from pipeline import data as data_lib
 from pipeline.config import Config, flatten, to_yaml, write_resolved
 from pipeline.data.loader import check_splits
+from pipeline.data.mixing import Mixer
 from pipeline.distributed import all_reduce, broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval.classify import classify, classify_multilabel
 from pipeline.eval.figures import loss_curve_png
@@ -211,9 +212,9 @@ def evaluate(engine, cfg: Config, source, num_classes: int, device, dtype) -> di
     """Top-1 (precision@1 on multi-label data: ``val_prec1``) and loss on the val split through the
     one eval loop, each sample once over the ranks."""
     rank, world = rank_world()
-    loader = source.EvalLoader(cfg.data, img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=rank,
-                               world_size=world, split=cfg.data.val_split)
-    multi = source.read_info(cfg.data.path).multi_label
+    loader = source.eval_loader(cfg.data, img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=rank,
+                                world_size=world, split=cfg.data.val_split)
+    multi = source.read_info().multi_label
     res = (classify_multilabel if multi else classify)(
         engine, loader, num_classes, device=device, prepare=source.normalize, dtype=dtype,
         loss=lambda lg, y: loss_fn(cfg.train.loss, lg, y, reduction="none"),
@@ -263,7 +264,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     # a missing split fails now, in one line, not after the last step
     check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split})
     check_access(cfg, run_dir, rank=rank)  # a refused login fails now, in one line, not after training
-    hit_key = "prec1" if source.read_info(cfg.data.path).multi_label else "top1"  # big_vision's prec@1
+    hit_key = "prec1" if source.read_info().multi_label else "top1"  # big_vision's prec@1
 
     # model: identical initialisation on every rank, then per-rank randomness (dropout)
     torch.manual_seed(cfg.seed)
@@ -275,9 +276,10 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
                                   load_universal=universal is not None)
     device, dtype = engine.device, eng_lib.input_dtype(cfg)
     accum = eng_lib.grad_accumulation(cfg, world)
-    loader = source.TrainLoader(cfg.data, img_size=cfg.model.img_size, micro_batch=cfg.train.micro_batch,
-                                global_batch=cfg.train.global_batch, rank=rank, world_size=world, seed=cfg.seed,
-                                **({"pin_memory": True} if device.type == "cuda" else {}))
+    loader = source.train_loader(cfg.data, img_size=cfg.model.img_size, micro_batch=cfg.train.micro_batch,
+                                 global_batch=cfg.train.global_batch, rank=rank, world_size=world, seed=cfg.seed,
+                                 pin_memory=device.type == "cuda")
+    mixer = Mixer.from_config(cfg.data, source.read_info(), seed=cfg.seed, rank=rank)
     ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
     window, agree = Window(device), Agreement(device)
     drops = PatchDrop(cfg, model, rank, device)
@@ -347,7 +349,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
             images, labels = next(batches)
             labels = labels.to(device, non_blocking=True)
             x = source.normalize(images.to(device, non_blocking=True))
-            x, targets = loader.mix(x, labels) if loader.mix is not None else (x, labels)
+            x, targets = mixer(x, labels, loader.position)
             keep = drops.keep(step, m, len(labels))  # None: every patch
             logits = (engine(x.to(dtype)) if keep is None else engine(x.to(dtype), keep=keep)).float()
             loss = loss_fn(cfg.train.loss, logits, targets, label_smoothing=cfg.data.label_smoothing)

@@ -17,6 +17,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from pipeline.config import DataCfg
 from pipeline.data.augment import DecodeError, EvalTransform, TrainTransform, inception_crop_box
 from pipeline.data.loader import DataError, EvalLoader, TrainLoader, normalize
+from pipeline.data.mixing import Mixer
 from tests.unit.test_data_shards import image_bytes, label_of, write_dataset
 
 SIZES = [3, 9, 5, 12, 11]  # 40 samples in 5 uneven shards
@@ -241,13 +242,14 @@ def test_normalize_and_mix(data):
         normalize(r, out=torch.empty(2, 3, 5, 6))
     ld = loader(replace(cfg, label_smoothing=0.1))
     _, y, _ = next(iter(ld))
-    xx, t = ld.mix(torch.zeros(4, 3, 16, 16), y)
+    xx, t = Mixer.from_config(ld.cfg, ld.info, seed=3, rank=0)(torch.zeros(4, 3, 16, 16), y, ld.position)
     assert t.shape == (4, 3) and torch.allclose(t.sum(1), torch.ones(4))
     assert torch.allclose(t.max(1).values, torch.full((4,), 0.9 + 0.1 / 3))
     ld = loader(replace(cfg, mixup=0.8, cutmix=1.0))
+    mix = Mixer.from_config(ld.cfg, ld.info, seed=3, rank=0)
     xs, y, _ = next(iter(ld))
     f = normalize(xs)
-    m1, m2 = ld.mix(f.clone(), y), ld.mix(f.clone(), y)  # same batch position → same mix
+    m1, m2 = mix(f.clone(), y, ld.position), mix(f.clone(), y, ld.position)  # same batch position → same mix
     assert torch.equal(m1[0], m2[0]) and torch.equal(m1[1], m2[1]) and m1[1].shape == (4, 3)
     assert torch.allclose(m1[1].sum(1), torch.ones(4))
 

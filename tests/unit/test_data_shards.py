@@ -14,12 +14,12 @@ from PIL import Image
 
 from pipeline.data.shards import (
     DataError,
+    SkipCounts,
     TarError,
-    _Counts,
-    _read_shard,
-    _segments,
     iter_tar,
     read_info,
+    read_shard,
+    segments,
 )
 
 
@@ -123,15 +123,15 @@ def test_check_splits_names_key_file_and_remedy(tmp_path):
 def test_read_shard_ranges_and_bad_samples(tmp_path):
     keys = write_dataset(tmp_path, {"train": [6]}, missing_cls={"train_00001"}, bad_image={"train_00004"})["train"]
     url = str(tmp_path / "train-000000.tar")
-    c = _Counts()
-    got = [(k, lab) for k, _, lab in _read_shard(url, c, 0, None, num_classes=3)]
+    c = SkipCounts()
+    got = [(k, lab) for k, _, lab in read_shard(url, c, 0, None, num_classes=3)]
     assert [k for k, _ in got] == [k for k in keys if k != "train_00001"]
     assert all(lab == label_of(k) for k, lab in got) and c == {"missing_cls": 1}
     # indices count valid samples only: [1, 3) → 3rd and 4th valid sample
-    assert [k for k, _, _ in _read_shard(url, _Counts(), 1, 3, num_classes=3)] == ["train_00002", "train_00003"]
+    assert [k for k, _, _ in read_shard(url, SkipCounts(), 1, 3, num_classes=3)] == ["train_00002", "train_00003"]
     # label outside num_classes
-    c = _Counts()
-    assert len(list(_read_shard(url, c, 0, None, num_classes=2))) == 3 and c["bad_cls"] == 2
+    c = SkipCounts()
+    assert len(list(read_shard(url, c, 0, None, num_classes=2))) == 3 and c["bad_cls"] == 2
 
 
 def test_read_shard_cut_off(tmp_path):
@@ -140,16 +140,16 @@ def test_read_shard_cut_off(tmp_path):
     data = url.read_bytes()
     for cut in (len(data) // 2, len(data) - 10240 + 512 * 3, 700):
         url.write_bytes(data[:cut])
-        c = _Counts()
+        c = SkipCounts()
         with pytest.warns(UserWarning, match="shard"):
-            n = len(list(_read_shard(str(url), c, 0, None, num_classes=3)))
+            n = len(list(read_shard(str(url), c, 0, None, num_classes=3)))
         assert n < 8 and c == {"corrupt_tar": 1}, (cut, n, c)
 
 
 def test_segments_cover_cyclic_sequence():
     lengths, order = [3, 5, 2], [2, 0, 1]  # sequence: s2[0:2] s0[0:3] s1[0:5]
-    assert _segments(lengths, order, 1, 5) == [(2, 1, 2), (0, 0, 3), (1, 0, 1)]
-    assert _segments(lengths, order, 8, 4) == [(1, 3, 5), (2, 0, 2)]  # wraps around
+    assert segments(lengths, order, 1, 5) == [(2, 1, 2), (0, 0, 3), (1, 0, 1)]
+    assert segments(lengths, order, 8, 4) == [(1, 3, 5), (2, 0, 2)]  # wraps around
 
 
 @pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])

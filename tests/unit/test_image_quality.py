@@ -17,7 +17,7 @@ import simplejpeg
 from PIL import Image, ImageDraw, ImageFont
 
 from data_prep.images import ImageOptions, dct_numerator, encode_jpeg, process_image, target_size
-from pipeline.data.augment import TrainTransform, _Source, decode_crop, inception_crop_box
+from pipeline.data.augment import EncodedImage, TrainTransform, decode_crop, inception_crop_box
 
 KINDS = ("stripes", "noise", "text")
 # (w, h), all >= 512 px as photos are: landscape, portrait, odd sizes (scaled extents are fractional)
@@ -129,7 +129,7 @@ def test_prep_stores_images_as_good_as_full_decode_and_area_resize(photos, tmp_p
 def test_loader_crops_are_as_good_as_full_decode_and_area_resize(photos):
     gaps, reduced, rng = [], [], random.Random(0)
     for orig, data in photos:
-        src, f = _Source(data), full(data)
+        src, f = EncodedImage(data), full(data)
         for _ in range(3):
             x, y, cw, ch = box = inception_crop_box(src.w, src.h, rng, (0.08, 1.0))
             ours = decode_crop(src, box, CROP, CROP)
@@ -152,7 +152,7 @@ def test_train_transform_is_decode_crop_then_flip(photos):
     """TrainTransform's pixels are exactly decode_crop's for its box, flipped when it draws a flip."""
     data = photos[0][1]
     tf = TrainTransform(CROP, (0.08, 1.0), hflip=True)
-    src = _Source(data)
+    src = EncodedImage(data)
     for seed in range(6):
         rng = random.Random(seed)
         a = decode_crop(src, inception_crop_box(src.w, src.h, rng, tf.scale), CROP, CROP)

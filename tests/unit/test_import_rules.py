@@ -246,3 +246,41 @@ def test_checker_catches_violations():
     assert layer_violations("pipeline.train.loop", {"pipeline.config.Config", "torch"}, known) == []
     assert imports("from .augment import x", "pipeline.data.loader") >= {"pipeline.data.augment.x"}
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+# ── Private names stay private ─────────────────────────────────────────────────────────────────────
+PRIVATE_RULE_DIRS = ("pipeline", "launch", "data_prep", "bench", "tests")
+
+
+def private_imports(source: str, rel: str) -> list[str]:
+    """``file:line`` lines for every ``from X import _name`` (absolute or relative; a leading underscore,
+    not a dunder): a name its module keeps to itself is not another module's to use. A module that
+    needs it should get a public name for it instead."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for alias in node.names:
+            name = alias.name
+            if name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+                out.append(f"{rel}:{node.lineno}: from {'.' * node.level}{node.module or ''} import {name}")
+    return out
+
+
+def test_no_module_imports_another_modules_private_name():
+    found = []
+    for top in PRIVATE_RULE_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if not SKIP_DIRS & set(rel.parts):
+                found += private_imports(path.read_text(encoding="utf-8"), rel.as_posix())
+    assert not found, "imports of private names:\n" + "\n".join(found)
+
+
+def test_private_import_checker_names_file_and_line():
+    src = ("import os\nfrom pipeline.data.loader import TrainLoader, _as_is\n"
+           "def f():\n    from .shards import _Counts as C, __version__\n    from . import _secret\n")
+    assert private_imports(src, "bench/x.py") == ["bench/x.py:2: from pipeline.data.loader import _as_is",
+                                                  "bench/x.py:4: from .shards import _Counts",
+                                                  "bench/x.py:5: from . import _secret"]
+    assert private_imports("from a import b, __all__\nimport _thread\n", "t.py") == []

@@ -14,8 +14,8 @@ import torch
 from data_prep import prep, verify
 from data_prep.sources import list_source
 from pipeline.config import DataCfg
-from pipeline.data.augment import Mixer
 from pipeline.data.loader import EvalLoader, TrainLoader, read_info
+from pipeline.data.mixing import Mixer
 from pipeline.eval.classify import average_precision, classify_multilabel
 from pipeline.train.loss import loss_fn, top1_hits
 from tests.multilabel_data import BAD_ROWS, COLOURS, stripes_manifest
@@ -127,13 +127,14 @@ def test_mixed_multi_hot_targets_and_exact_resume(stripes):
         return TrainLoader(cfg, img_size=16, micro_batch=4, global_batch=8, rank=1, world_size=2, seed=3)
 
     a = loader()
+    mix = Mixer.from_config(cfg, a.info, seed=3, rank=1)
     it = iter(a)
     next(it)  # one micro batch, then the checkpoint
     state = a.state_dict()
-    ref = [(x, y, *a.mix(x.float(), y)) for x, y in itertools.islice(it, 3)]
+    ref = [(x, y, *mix(x.float(), y, a.position)) for x, y in itertools.islice(it, 3)]
     b = loader()
     b.load_state_dict(state)
-    got = [(x, y, *b.mix(x.float(), y)) for x, y in itertools.islice(iter(b), 3)]
+    got = [(x, y, *mix(x.float(), y, b.position)) for x, y in itertools.islice(iter(b), 3)]
     assert len(got) == 3
     for r, g in zip(ref, got):
         assert all(torch.equal(u, v) for u, v in zip(r, g))
@@ -149,7 +150,7 @@ def test_mixed_multi_hot_targets_and_exact_resume(stripes):
 
 def test_smoothing_without_mixing_and_the_losses():
     y = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 0]], dtype=torch.bool)
-    _, t = Mixer(4, label_smoothing=0.2, multi_label=True)(torch.zeros(2, 3, 4, 4), y, seed=0, epoch=0, step=0, rank=0)
+    _, t = Mixer(4, label_smoothing=0.2, multi_label=True)(torch.zeros(2, 3, 4, 4), y, (0, 0))
     assert torch.allclose(t, torch.tensor([[0.9, 0.1, 0.9, 0.1], [0.1, 0.9, 0.1, 0.1]]))
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0], [0.0, 3.0, -2.0, 1.0]])
     want = torch.nn.functional.binary_cross_entropy_with_logits(logits, y.float(), reduction="none").sum(-1)
@@ -218,7 +219,7 @@ def test_pretrain_recipes_take_a_multilabel_folder_unchanged(stripes, recipe, re
                      seed=cfg.seed, num_workers=0)
     images, labels = next(iter(ld))
     assert images.shape == (8, 3, cfg.model.img_size, cfg.model.img_size) and labels.shape == (8, 6)
-    x, targets = ld.mix(images.float(), labels)
+    x, targets = Mixer.from_config(cfg.data, ld.info, seed=cfg.seed, rank=0)(images.float(), labels, ld.position)
     logits = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
     loss = loss_fn(cfg.train.loss, logits, targets, label_smoothing=cfg.data.label_smoothing)
     assert torch.isfinite(loss) and 0 <= int(top1_hits(logits, labels)) <= 8

@@ -1,0 +1,105 @@
+"""The interface every dataset a stage reads implements (``pipeline.data.source_for`` picks one).
+
+A :class:`DataSource` is bound to one ``data.path``; it describes the dataset (:meth:`read_info`), makes
+this rank's training and evaluation batches (:meth:`train_loader`, :meth:`eval_loader`) and turns a
+uint8 batch on the device into the model's input (:meth:`normalize`). Two implement it:
+
+    ShardSource       (pipeline.data.loader)     a `vitp prep` folder of WebDataset tars
+    SyntheticSource   (pipeline.data.synthetic)  ``synthetic[:options]``, generated in memory
+
+What the loaders they return promise is written down as :class:`TrainBatches` and
+:class:`EvalBatches`; a new dataset kind is one new subclass and one line in ``source_for``.
+Mixup/cutmix is not the source's business: :mod:`pipeline.data.mixing` does it, seeded by
+:attr:`TrainBatches.position`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.data.shards import Info
+
+
+@runtime_checkable
+class TrainBatches(Protocol):
+    """A rank's training micro-batches ``(images uint8 [B, 3, S, S], labels)``; labels are int64 [B],
+    or multi-hot bool [B, K] on multi-label data. Checkpointed through ``state_dict``."""
+
+    def forever(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Micro-batches across epochs without end."""
+        ...
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, micro-batch within it) of the batch last yielded: the seed of per-batch randomness
+        outside the loader (mixup), so a resumed run repeats it."""
+        ...
+
+    @property
+    def skipped(self) -> Mapping[str, int]:
+        """Bad samples this rank met so far, by reason (``shards.SKIP_REASONS``); logged as a metric."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@runtime_checkable
+class EvalBatches(Protocol):
+    """Each sample of a split once over all ranks, as ``len()`` batches per rank (the same on
+    every rank) of ``(images uint8 [B, 3, S, S], labels, valid bool [B])``; padding rows are invalid."""
+
+    def __len__(self) -> int:
+        """The number of batches, the same on every rank (the eval loop runs collectives in lock-step)."""
+        ...
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]: ...
+
+
+class DataSource(ABC):
+    """One dataset, as the stages read it (see the module docstring)."""
+
+    kind = ""  # names the source in MLflow's dataset inputs ("local", "synthetic")
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        self._info: Info | None = None
+
+    def read_info(self) -> Info:
+        """The dataset's description (classes, splits with sample counts), read once per source."""
+        if self._info is None:
+            self._info = self._read_info()
+        return self._info
+
+    @abstractmethod
+    def _read_info(self) -> Info: ...
+
+    @abstractmethod
+    def train_loader(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, rank: int,
+                     world_size: int, seed: int, pin_memory: bool = False) -> TrainBatches:
+        """This rank's endless training micro-batches, ``global_batch / world_size`` images per step."""
+
+    @abstractmethod
+    def eval_loader(self, cfg_data, *, img_size: int, batch: int, rank: int, world_size: int,
+                    split: str) -> EvalBatches:
+        """This rank's share of ``split``, each sample once over the ranks."""
+
+    @staticmethod
+    @abstractmethod
+    def normalize(images: torch.Tensor) -> torch.Tensor:
+        """uint8 [B, 3, H, W] on the device → float [B, 3, H, W], the model's input range."""
+
+    def dataset_name(self) -> str:
+        """The short name MLflow shows for this dataset (before ``/split``)."""
+        return self.kind
+
+    def source_fields(self) -> dict:
+        """Where the data came from, as MLflow's dataset ``source`` (JSON) says it."""
+        return {"spec": self.path}
+

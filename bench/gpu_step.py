@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data.loader import TrainLoader, normalize  # noqa: E402
+from pipeline.distributed import setup  # noqa: E402
 from pipeline.model.flops import train_step_flops  # noqa: E402
 from pipeline.train import engine as eng  # noqa: E402
 from pipeline.train.loss import loss_fn  # noqa: E402
@@ -406,7 +407,7 @@ class Bench:
         a = self.args
         models = a.models.split(",")
         cfg0 = self.cfg(models[0], 1)
-        eng.init_distributed(cfg0)  # the 1-rank group every engine below reuses
+        setup(cfg0)  # the 1-rank group every engine below reuses
         if self.compiling:
             for key in ("cache_size_limit", "recompile_limit"):  # batch sizes x last-block variants
                 if hasattr(torch._dynamo.config, key):

@@ -1,8 +1,13 @@
 """Typed, strict configuration: one source of truth for defaults and checks.
 
 A config is a YAML file (``yaml.safe_load`` only) merged with dotted command-line overrides
-(``optim.lr=3e-4``), validated against the dataclasses below. Every mistake raises
-:class:`ConfigError` with one line naming the key and the reason, before anything starts.
+(``optim.lr=3e-4``), validated by the pydantic models below: each section is its own model that
+checks its fields (types, ranges) and its own combinations; the stage's root model checks what
+spans sections (batch divisibility by the world size). Every mistake raises :class:`ConfigError`
+with one line naming the key and the reason, before anything starts.
+
+Each stage validates only the sections it reads: :class:`Config` (pre-training, fine-tuning),
+:class:`EvalConfig` (`vitp eval`), :class:`PrepConfig` (`vitp submit prep`'s jobs).
 
 Recipes may name a parent with ``base: other.yaml`` (path relative to the file); the child's keys
 win, section by section.
@@ -10,17 +15,15 @@ win, section by section.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 import re
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from pydantic_core import PydanticCustomError
 
 from pipeline.secrets import has_secret, redact, restore
 
@@ -29,219 +32,394 @@ class ConfigError(ValueError):
     """A configuration mistake; the message is one line naming the key."""
 
 
-def _range(lo=None, hi=None, *, lo_open=False, positive=False):
-    """Field metadata: numeric range (``lo``/``hi`` inclusive unless ``lo_open``)."""
-    if positive:
-        lo, lo_open = 0, True
-    return {"lo": lo, "hi": hi, "lo_open": lo_open}
+# --------------------------------------------------------------------------------------------------
+# Field types: YAML's values, taken as they are (no "3" for 3, no 1 for true)
+# --------------------------------------------------------------------------------------------------
+def _refuse(what: str, value: Any):
+    return PydanticCustomError("vitp_type", "expected {what}, got {got}", {"what": what, "got": repr(value)})
 
 
-def _f(default, **check):
-    """A field with a default and optional range metadata."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=_range(**check))
-    return field(default=default, metadata=_range(**check))
+def _int(v):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _refuse("an integer", v)
+    return v
+
+
+def _float(v):
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):  # PyYAML reads "3e-4" as a string (YAML 1.1)
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    raise _refuse("a number", v)
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise _refuse("true or false", v)
+    return v
+
+
+def _str(v):
+    if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+        return str(v)
+    raise _refuse("a string", v)
+
+
+def _list(v):
+    if not isinstance(v, (list, tuple)):
+        raise _refuse("a list", v)
+    return list(v)
+
+
+def _mapping(v):
+    if not isinstance(v, dict):
+        raise _refuse("a mapping", v)
+    return {str(k): x for k, x in v.items()}
+
+
+Int = Annotated[int, BeforeValidator(_int)]
+Float = Annotated[float, BeforeValidator(_float)]
+Bool = Annotated[bool, BeforeValidator(_bool)]
+Str = Annotated[str, BeforeValidator(_str)]
+
+
+def one_of(*choices: str):
+    """A string field that takes one of ``choices``."""
+    def check(v):
+        if v not in choices:
+            raise PydanticCustomError("vitp_choice", "must be one of {choices}; got {got}",
+                                      {"choices": ", ".join(choices), "got": repr(v)})
+        return v
+
+    return Annotated[Literal[choices], BeforeValidator(check)]
+
+
+def List(item):  # noqa: N802 (a type)
+    return Annotated[list[item], BeforeValidator(_list)]
+
+
+def _problem(message: str) -> PydanticCustomError:
+    """A combination a validator refuses; ``message`` already names the key."""
+    return PydanticCustomError("vitp_check", "{message}", {"message": message})
+
+
+class Section(BaseModel):
+    """A config section: unknown keys refused, fields addressed by their YAML names."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
 
 
 # --------------------------------------------------------------------------------------------------
-# Schema
+# Sections
 # --------------------------------------------------------------------------------------------------
-@dataclass
-class RunCfg:
-    dir: str = "runs/default"  # checkpoints, resolved config, metrics.jsonl, logs
-    name: str = ""  # MLflow run name; defaults to the run dir's name
-    fresh: bool = False  # start over even if run.dir holds a checkpoint (explicit, never implied)
+class RunCfg(Section):
+    dir: Str = "runs/default"  # checkpoints, resolved config, metrics.jsonl, logs
+    name: Str = ""  # MLflow run name; defaults to the run dir's name
+    fresh: Bool = False  # start over even if run.dir holds a checkpoint (explicit, never implied)
 
 
-@dataclass
-class ModelCfg:
-    name: str | None = None  # a variant such as "vit_b16"; explicit dims below override it
-    width: int | None = _f(None, lo=1)
-    depth: int | None = _f(None, lo=1)
-    heads: int | None = _f(None, lo=1)
-    mlp_dim: int | None = _f(None, lo=1)
-    patch: int | None = _f(None, lo=1)
-    img_size: int = _f(224, lo=1)
-    num_classes: int = _f(0, lo=0)  # 0: take it from the dataset's classes.json
-    pool: Literal["token", "gap"] = "token"
-    class_token: bool = True
-    representation_size: int | None = _f(None, lo=1)  # the paper's pre-training tanh layer
-    dropout: float = _f(0.0, lo=0.0, hi=1.0)
-    attn_dropout: float = _f(0.0, lo=0.0, hi=1.0)
-    drop_path: float = _f(0.0, lo=0.0, hi=1.0)
-    grad_checkpointing: bool = False
-    patch_drop: float = _f(0.0, lo=0.0)  # fraction of patch tokens dropped per training image (< 1); 0: off
+def _variant_patch(name: str | None) -> int | None:
+    """Patch size encoded in a variant name ("vit_b16" → 16, "vit_h14" → 14)."""
+    if not name:
+        return None
+    digits = "".join(ch for ch in name.split("_")[-1] if ch.isdigit())
+    return int(digits) if digits else None
 
 
-@dataclass
-class DataCfg:
-    path: str = ""  # a `vitp prep` output folder (holds _info.json)
-    train_split: str = "train"
-    val_split: str | None = "val"
-    workers: int = _f(2, lo=0)
-    shuffle_buffer: int = _f(1000, lo=0)
-    resampled: bool = False  # sample shards with replacement (pre-training at scale)
-    crop_scale: list[float] = _f([0.08, 1.0])
-    hflip: bool = True
-    randaugment: str | None = None  # timm string, e.g. "rand-m9-mstd0.5"
-    mixup: float = _f(0.0, lo=0.0)
-    cutmix: float = _f(0.0, lo=0.0)
-    label_smoothing: float = _f(0.0, lo=0.0, hi=1.0)
-    eval_crop_pct: float = _f(1.0, lo=0.0, hi=1.0, lo_open=True)
+class ModelCfg(Section):
+    name: Str | None = None  # a variant such as "vit_b16"; explicit dims below override it
+    width: Int | None = Field(None, ge=1)
+    depth: Int | None = Field(None, ge=1)
+    heads: Int | None = Field(None, ge=1)
+    mlp_dim: Int | None = Field(None, ge=1)
+    patch: Int | None = Field(None, ge=1)
+    img_size: Int = Field(224, ge=1)
+    num_classes: Int = Field(0, ge=0)  # 0: take it from the dataset's classes.json
+    pool: one_of("token", "gap") = "token"
+    class_token: Bool = True
+    representation_size: Int | None = Field(None, ge=1)  # the paper's pre-training tanh layer
+    dropout: Float = Field(0.0, ge=0.0, le=1.0)
+    attn_dropout: Float = Field(0.0, ge=0.0, le=1.0)
+    drop_path: Float = Field(0.0, ge=0.0, le=1.0)
+    grad_checkpointing: Bool = False
+    patch_drop: Float = Field(0.0, ge=0.0)  # fraction of patch tokens dropped per training image (< 1); 0: off
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.name is None and None in (self.width, self.depth, self.heads, self.mlp_dim, self.patch):
+            raise _problem("model: give model.name (e.g. vit_b16) or all of width, depth, heads, mlp_dim, patch")
+        patch = self.patch if self.patch is not None else _variant_patch(self.name)
+        if patch and self.img_size % patch:
+            raise _problem(f"model.img_size: {self.img_size} is not divisible by the patch size {patch}")
+        if self.width and self.heads and self.width % self.heads:
+            raise _problem(f"model.heads: width {self.width} is not divisible by {self.heads} heads")
+        if not self.class_token and self.pool == "token":
+            raise _problem("model.pool: 'token' pooling needs model.class_token=true (use pool=gap)")
+        if self.patch_drop >= 1:
+            raise _problem(f"model.patch_drop: a fraction of patches in [0, 1) (0 = off); got {self.patch_drop}")
+        return self
 
 
-@dataclass
-class OptimCfg:
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = _f(1e-3, positive=True)
-    weight_decay: float = _f(0.1, lo=0.0)
-    betas: list[float] = _f([0.9, 0.999])
-    eps: float = _f(1e-8, positive=True)
-    momentum: float = _f(0.9, lo=0.0, hi=1.0)
-    clip_grad: float = _f(1.0, lo=0.0)  # global-norm clipping; 0 disables
-    layer_decay: float | None = _f(None, lo=0.0, hi=1.0, lo_open=True)
-    ema: float | None = _f(None, lo=0.0, hi=1.0, lo_open=True)
+class DataCfg(Section):
+    path: Str = ""  # a `vitp prep` output folder (holds _info.json)
+    train_split: Str = "train"
+    val_split: Str | None = "val"
+    workers: Int = Field(2, ge=0)
+    shuffle_buffer: Int = Field(1000, ge=0)
+    resampled: Bool = False  # sample shards with replacement (pre-training at scale)
+    crop_scale: List(Float) = Field(default_factory=lambda: [0.08, 1.0])
+    hflip: Bool = True
+    randaugment: Str | None = None  # timm string, e.g. "rand-m9-mstd0.5"
+    mixup: Float = Field(0.0, ge=0.0)
+    cutmix: Float = Field(0.0, ge=0.0)
+    label_smoothing: Float = Field(0.0, ge=0.0, le=1.0)
+    eval_crop_pct: Float = Field(1.0, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _crop(self):
+        s = self.crop_scale
+        if len(s) != 2 or not 0 < s[0] <= s[1] <= 1:
+            raise _problem(f"data.crop_scale: need [lo, hi] with 0 < lo <= hi <= 1; got {s}")
+        return self
 
 
-@dataclass
-class ScheduleCfg:
-    warmup_steps: int = _f(0, lo=0)
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    end_lr: float = _f(0.0, lo=0.0)
+class OptimCfg(Section):
+    name: one_of("adamw", "sgd") = "adamw"
+    lr: Float = Field(1e-3, gt=0)
+    weight_decay: Float = Field(0.1, ge=0.0)
+    betas: List(Float) = Field(default_factory=lambda: [0.9, 0.999])
+    eps: Float = Field(1e-8, gt=0)
+    momentum: Float = Field(0.9, ge=0.0, le=1.0)
+    clip_grad: Float = Field(1.0, ge=0.0)  # global-norm clipping; 0 disables
+    layer_decay: Float | None = Field(None, gt=0.0, le=1.0)
+    ema: Float | None = Field(None, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _betas(self):
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise _problem(f"optim.betas: need two values in [0, 1); got {self.betas}")
+        return self
 
 
-@dataclass
-class TrainCfg:
-    steps: int = _f(100, lo=1)
-    global_batch: int = _f(64, lo=1)
-    micro_batch: int = _f(32, lo=1)  # per rank; accumulation = global / (world * micro)
-    loss: Literal["softmax", "sigmoid"] = "softmax"
-    log_every: int = _f(10, lo=1)
-    eval_every: int = _f(0, lo=0)  # 0: only at the end
-    fewshot_every: int = _f(0, lo=0)  # few-shot evaluators (eval.fewshot_data); 0: only at the end
-    compile: bool | None = None  # torch.compile each block; None: on GPUs, off on CPU (it does not pay there)
-    patch_drop_until: int | None = _f(None, lo=0)  # steps after this one see every patch; None: drop to the end
+class ScheduleCfg(Section):
+    warmup_steps: Int = Field(0, ge=0)
+    decay: one_of("cosine", "linear", "constant") = "cosine"
+    end_lr: Float = Field(0.0, ge=0.0)
 
 
-@dataclass
-class EngineCfg:
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    zero_stage: int = _f(1, lo=0, hi=3)
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    dist_timeout_s: int = _f(300, lo=1)  # a rank that never arrives fails after this
+class TrainCfg(Section):
+    steps: Int = Field(100, ge=1)
+    global_batch: Int = Field(64, ge=1)
+    micro_batch: Int = Field(32, ge=1)  # per rank; accumulation = global / (world * micro)
+    loss: one_of("softmax", "sigmoid") = "softmax"
+    log_every: Int = Field(10, ge=1)
+    eval_every: Int = Field(0, ge=0)  # 0: only at the end
+    fewshot_every: Int = Field(0, ge=0)  # few-shot evaluators (eval.fewshot_data); 0: only at the end
+    compile: Bool | None = None  # torch.compile each block; None: on GPUs, off on CPU (it does not pay there)
+    patch_drop_until: Int | None = Field(None, ge=0)  # steps after this one see every patch; None: drop to the end
+
+    @model_validator(mode="after")
+    def _batch(self):
+        if self.micro_batch > self.global_batch:
+            raise _problem(f"train.micro_batch: {self.micro_batch} is larger than train.global_batch "
+                           f"{self.global_batch}")
+        return self
+
+    def check_world(self, world_size: int) -> None:
+        """The global batch splits into equal micro batches over ``world_size`` ranks."""
+        if self.global_batch % (world_size * self.micro_batch):
+            raise ConfigError(f"train.global_batch: {self.global_batch} is not divisible by world size "
+                              f"{world_size} x train.micro_batch {self.micro_batch}")
+
+
+class EngineCfg(Section):
+    precision: one_of("fp32", "bf16", "fp16") = "fp32"
+    zero_stage: Int = Field(1, ge=0, le=3)
+    offload_optimizer: Bool = False
+    offload_params: Bool = False
+    backend: one_of("auto", "nccl", "gloo") = "auto"
+    dist_timeout_s: Int = Field(300, ge=1)  # a rank that never arrives fails after this
     # The rendezvous of a SLURM job: by default the allocation's first node and a port derived from
     # the job id. MASTER_ADDR/MASTER_PORT in the environment are ignored there (sbatch exports the
     # submitting shell's, stale for this allocation): set these to choose.
-    master_addr: str = ""
-    master_port: int = _f(0, lo=0, hi=65535)  # 0: derived from the job id
+    master_addr: Str = ""
+    master_port: Int = Field(0, ge=0, le=65535)  # 0: derived from the job id
+
+    @model_validator(mode="after")
+    def _engine(self):
+        if any(c.isspace() or c in "/@" for c in self.master_addr):  # a host name or an IPv4/IPv6 address
+            raise _problem(f"engine.master_addr: expected a host name or address, got {self.master_addr!r}")
+        if 0 < self.master_port < 1024:
+            raise _problem(f"engine.master_port: must be 0 (derived) or 1024-65535; got {self.master_port}")
+        if self.offload_params and self.zero_stage != 3:
+            raise _problem(f"engine.offload_params: needs engine.zero_stage=3; got {self.zero_stage}")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise _problem("engine.offload_optimizer: needs engine.zero_stage >= 1")
+        return self
 
 
-@dataclass
-class CheckpointCfg:
-    every: int = _f(0, lo=0)  # 0: only at the end (and on preemption)
-    keep: int = _f(2, lo=1)
+class CheckpointCfg(Section):
+    every: Int = Field(0, ge=0)  # 0: only at the end (and on preemption)
+    keep: Int = Field(2, ge=1)
 
 
-@dataclass
-class TrackingCfg:
-    enabled: bool = True
-    uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else a SQLite store under run.dir
-    experiment: str = "vitp"
-    register_name: str | None = None  # Model Registry name for the final model
-    flush_every_s: float = _f(2.0, positive=True)
+class TrackingCfg(Section):
+    enabled: Bool = True
+    uri: Str | None = None  # None: $MLFLOW_TRACKING_URI, else a SQLite store under run.dir
+    experiment: Str = "vitp"
+    register_name: Str | None = None  # Model Registry name for the final model
+    flush_every_s: Float = Field(2.0, gt=0)
     # at the end of a run, how long to wait for an unreachable server before spooling what is left
     # (then `vitp sync RUN_DIR` delivers it); a stopped (requeued) job waits at most 10 s
-    close_timeout_s: float = _f(120.0, lo=0.0)
-    system_metrics: bool = True  # CPU, memory, disk, network, GPU (NVML) as system/... on rank 0
-    system_metrics_every_s: float = _f(10.0, positive=True)
+    close_timeout_s: Float = Field(120.0, ge=0.0)
+    system_metrics: Bool = True  # CPU, memory, disk, network, GPU (NVML) as system/... on rank 0
+    system_metrics_every_s: Float = Field(10.0, gt=0)
 
 
-@dataclass
-class HardwareCfg:
-    peak_tflops: float = _f(989.0, positive=True)  # per device, for MFU (H100 SXM bf16 dense)
-    device_mem_gb: float = _f(80.0, positive=True)
-    intra_node_gbps: float = _f(450.0, positive=True)  # GB/s per GPU (NVLink)
-    inter_node_gbps: float = _f(50.0, positive=True)  # GB/s per GPU (InfiniBand 400 Gb/s)
-    assumed_mfu: float = _f(0.5, lo=0.0, hi=1.0, lo_open=True)
+class HardwareCfg(Section):
+    peak_tflops: Float = Field(989.0, gt=0)  # per device, for MFU (H100 SXM bf16 dense)
+    device_mem_gb: Float = Field(80.0, gt=0)
+    intra_node_gbps: Float = Field(450.0, gt=0)  # GB/s per GPU (NVLink)
+    inter_node_gbps: Float = Field(50.0, gt=0)  # GB/s per GPU (InfiniBand 400 Gb/s)
+    assumed_mfu: Float = Field(0.5, gt=0.0, le=1.0)
 
 
-@dataclass
-class ClusterCfg:
-    nodes: int = _f(1, lo=1)
-    tasks_per_node: int = _f(1, lo=1)  # one task per GPU
-    gpus_per_node: int = _f(0, lo=0)
-    cpus_per_task: int = _f(1, lo=1)
-    mem_gb: float | None = _f(None, positive=True)
-    time_min: int = _f(60, lo=1)
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    constraint: str | None = None
-    exclusive: bool = False
-    extra_sbatch: dict[str, str] = _f({})
-    job_name: str = "vitp"
-    log_dir: str = "runs/jobs"
-    signal_delay_s: int = _f(120, lo=0)  # SIGUSR2 this long before the time limit
-    max_requeues: int = _f(3, lo=0)  # time-limit requeues (USR2); preemptions are not counted
-    max_failures: int = _f(2, lo=0)  # attempts that failed (a rank died or raised) requeued before giving up
+class ClusterCfg(Section):
+    nodes: Int = Field(1, ge=1)
+    tasks_per_node: Int = Field(1, ge=1)  # one task per GPU
+    gpus_per_node: Int = Field(0, ge=0)
+    cpus_per_task: Int = Field(1, ge=1)
+    mem_gb: Float | None = Field(None, gt=0)
+    time_min: Int = Field(60, ge=1)
+    partition: Str | None = None
+    account: Str | None = None
+    qos: Str | None = None
+    constraint: Str | None = None
+    exclusive: Bool = False
+    extra_sbatch: Annotated[dict[str, Str], BeforeValidator(_mapping)] = Field(default_factory=dict)
+    job_name: Str = "vitp"
+    log_dir: Str = "runs/jobs"
+    signal_delay_s: Int = Field(120, ge=0)  # SIGUSR2 this long before the time limit
+    max_requeues: Int = Field(3, ge=0)  # time-limit requeues (USR2); preemptions are not counted
+    max_failures: Int = Field(2, ge=0)  # attempts that failed (a rank died or raised) requeued before giving up
 
 
-@dataclass
-class InitCfg:
-    from_: str | None = None  # transfer source: checkpoint dir, safetensors, timm .pth, JAX .npz
-    posemb_mode: Literal["bicubic", "bilinear"] = "bicubic"
-    keep_representation: bool = False
+class InitCfg(Section):
+    from_: Str | None = Field(None, alias="from")  # transfer source: checkpoint dir, safetensors, timm .pth, JAX .npz
+    posemb_mode: one_of("bicubic", "bilinear") = "bicubic"
+    keep_representation: Bool = False
 
 
-@dataclass
-class EvalCfg:
-    fewshot_shots: list[int] = _f([1, 5, 10, 25])
-    fewshot_seeds: int = _f(3, lo=1)
-    fewshot_l2: float = _f(1.0, positive=True)  # ridge regulariser (the paper searches it)
-    linear_probe: bool = False
-    batch: int = _f(64, lo=1)
-    fewshot_data: list[str] = _f([])  # [NAME=]`vitp prep` folders (train + test splits) scored while training
+def fewshot_sets(entries: list[str]) -> list[tuple[str, str]]:
+    """eval.fewshot_data entries -> (name, folder): ``NAME=PATH``, or the folder's own name."""
+    return [tuple(e.split("=", 1)) if "=" in e else (Path(e.rstrip("/")).name, e) for e in entries]
+
+
+class EvalCfg(Section):
+    fewshot_shots: List(Int) = Field(default_factory=lambda: [1, 5, 10, 25])
+    fewshot_seeds: Int = Field(3, ge=1)
+    fewshot_l2: Float = Field(1.0, gt=0)  # ridge regulariser (the paper searches it)
+    linear_probe: Bool = False
+    batch: Int = Field(64, ge=1)
+    # [NAME=]`vitp prep` folders (train + test splits) scored while training
+    fewshot_data: List(Str) = Field(default_factory=list)
     # the evaluation stage (`vitp eval`, `vitp submit eval`); data.path names the dataset
-    checkpoint: str | None = None  # run dir, checkpoint folder or weights file
-    split: str = "val"  # the split scored; few-shot and the probe fit on data.train_split
-    top1: bool = True  # score the model's own head
-    fewshot: bool = False
-    variant: str | None = None  # architecture of a weights file that does not say it, e.g. vit_b16
-    img_size: int | None = _f(None, lo=1)  # evaluate at this resolution (pos-emb resampled)
-    max_train_images: int | None = _f(None, lo=1)  # per rank, for few-shot / probe features
-    out: str | None = None  # results.json and artifacts; default: the run dir, else ./eval_<name>
+    checkpoint: Str | None = None  # run dir, checkpoint folder or weights file
+    split: Str = "val"  # the split scored; few-shot and the probe fit on data.train_split
+    top1: Bool = True  # score the model's own head
+    fewshot: Bool = False
+    variant: Str | None = None  # architecture of a weights file that does not say it, e.g. vit_b16
+    img_size: Int | None = Field(None, ge=1)  # evaluate at this resolution (pos-emb resampled)
+    max_train_images: Int | None = Field(None, ge=1)  # per rank, for few-shot / probe features
+    out: Str | None = None  # results.json and artifacts; default: the run dir, else ./eval_<name>
+
+    @model_validator(mode="after")
+    def _sets(self):
+        if any(s < 1 for s in self.fewshot_shots):
+            raise _problem(f"eval.fewshot_shots: shots must be >= 1; got {self.fewshot_shots}")
+        names = [n for n, _ in fewshot_sets(self.fewshot_data)]
+        if not all(re.fullmatch(r"[\w.-]+", n) for n in names) or len(set(names)) != len(names):
+            raise _problem(f"eval.fewshot_data: each set needs its own name of [A-Za-z0-9_.-] (metrics are "
+                           f"fewshot/<name>/...: the folder's, or NAME=PATH); got {self.fewshot_data}")
+        return self
 
 
-@dataclass
-class Config:
-    seed: int = 0
-    run: RunCfg = field(default_factory=RunCfg)
-    model: ModelCfg = field(default_factory=ModelCfg)
-    data: DataCfg = field(default_factory=DataCfg)
-    optim: OptimCfg = field(default_factory=OptimCfg)
-    schedule: ScheduleCfg = field(default_factory=ScheduleCfg)
-    train: TrainCfg = field(default_factory=TrainCfg)
-    engine: EngineCfg = field(default_factory=EngineCfg)
-    checkpoint: CheckpointCfg = field(default_factory=CheckpointCfg)
-    tracking: TrackingCfg = field(default_factory=TrackingCfg)
-    hardware: HardwareCfg = field(default_factory=HardwareCfg)
-    cluster: ClusterCfg = field(default_factory=ClusterCfg)
-    init: InitCfg = field(default_factory=InitCfg)
-    eval: EvalCfg = field(default_factory=EvalCfg)
+# --------------------------------------------------------------------------------------------------
+# Stages: the sections each one reads
+# --------------------------------------------------------------------------------------------------
+class StageConfig(Section):
+    """A stage's root: its sections, and the checks that span them (the world size comes from the
+    validation context, see :func:`validate`)."""
 
     @property
     def world_size_planned(self) -> int:
         return self.cluster.nodes * self.cluster.tasks_per_node
 
+    @model_validator(mode="after")
+    def _world(self, info: ValidationInfo):
+        try:
+            validate(self, world_size=(info.context or {}).get("world_size"))
+        except ConfigError as e:
+            raise _problem(str(e)) from None
+        return self
 
-# Python names that YAML spells differently ("from" is a keyword).
-_ALIASES = {"from_": "from"}
+
+class Config(StageConfig):
+    """Pre-training and fine-tuning (`vitp pretrain`, `vitp transfer`, `vitp config show`)."""
+
+    seed: Int = 0
+    run: RunCfg = Field(default_factory=RunCfg)
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    data: DataCfg = Field(default_factory=DataCfg)
+    optim: OptimCfg = Field(default_factory=OptimCfg)
+    schedule: ScheduleCfg = Field(default_factory=ScheduleCfg)
+    train: TrainCfg = Field(default_factory=TrainCfg)
+    engine: EngineCfg = Field(default_factory=EngineCfg)
+    checkpoint: CheckpointCfg = Field(default_factory=CheckpointCfg)
+    tracking: TrackingCfg = Field(default_factory=TrackingCfg)
+    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
+    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
+    init: InitCfg = Field(default_factory=InitCfg)
+    eval: EvalCfg = Field(default_factory=EvalCfg)
 
 
-def _yaml_name(f: dataclasses.Field) -> str:
-    return _ALIASES.get(f.name, f.name)
+class EvalConfig(StageConfig):
+    """The evaluation stage (`vitp eval`, `vitp submit eval`): the model comes from the checkpoint."""
+
+    data: DataCfg = Field(default_factory=DataCfg)
+    eval: EvalCfg = Field(default_factory=EvalCfg)
+    engine: EngineCfg = Field(default_factory=EngineCfg)
+    tracking: TrackingCfg = Field(default_factory=TrackingCfg)
+    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
+    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
+
+
+class PrepConfig(StageConfig):
+    """`vitp submit prep`'s array tasks: where they run (the rest are prep's own flags)."""
+
+    engine: EngineCfg = Field(default_factory=EngineCfg)
+    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
+    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
+
+
+def world_size_from_env(cfg: StageConfig) -> int:
+    env = os.environ.get("WORLD_SIZE")
+    return int(env) if env else cfg.world_size_planned
+
+
+def validate(cfg: StageConfig, *, world_size: int | None = None) -> None:
+    """The checks that span sections, for ``world_size`` ranks (default: $WORLD_SIZE, else the
+    cluster section's nodes x tasks_per_node)."""
+    ws = world_size if world_size is not None else world_size_from_env(cfg)
+    if ws < 1:
+        raise ConfigError(f"world size must be >= 1; got {ws}")
+    if isinstance(cfg, Config):
+        cfg.train.check_world(ws)
+        if cfg.optim.ema is not None and cfg.engine.zero_stage == 3:
+            raise ConfigError("optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,8 +490,9 @@ RESOURCE_SECTIONS = ("cluster", "hardware")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = (),
-                *, resources: str | os.PathLike | None = None, world_size: int | None = None) -> Config:
-    """YAML recipe [+ a resources file] + dotted overrides → a validated :class:`Config`.
+                *, resources: str | os.PathLike | None = None, world_size: int | None = None,
+                schema: type[StageConfig] = Config) -> Config:
+    """YAML recipe [+ a resources file] + dotted overrides → a validated ``schema`` (the stage's root).
 
     ``resources``: a file holding only ``cluster:``/``hardware:`` (configs/cluster/*.yaml), merged
     over the recipe and under the overrides.
@@ -327,165 +506,76 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         if extra:
             raise ConfigError(f"{resources}: {extra[0]}: a resources file holds only cluster: and hardware:")
         data = _deep_merge(data, res)
-    data = apply_overrides(data, list(overrides))
-    cfg = _build(Config, data, "")
-    validate(cfg, world_size=world_size)
-    return cfg
+    return build(schema, apply_overrides(data, list(overrides)), world_size=world_size)
 
 
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp, key: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{key}: must be one of {', '.join(map(str, args))}; got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return {str(k): _coerce(v, args[1], f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads "3e-4" as a string (YAML 1.1)
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    raise ConfigError(f"{key}: unsupported type {tp}")  # schema bug, not user error
-
-
-def _build(cls, data: Any, prefix: str):
+def build(schema: type[StageConfig], data: Any, *, world_size: int | None = None):
+    """Validate plain data as ``schema``; the first mistake as one :class:`ConfigError` line."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a section (mapping), got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {_yaml_name(f): f for f in dataclasses.fields(cls)}
-    for k in data:
-        if k not in fields:
-            close = difflib.get_close_matches(str(k), list(fields), n=1, cutoff=0.6)
-            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid: {', '.join(fields)})"
-            raise ConfigError(f"{prefix}{k}: unknown key{hint}")
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in data:
-            continue
-        tp = hints[f.name]
-        key = prefix + name
-        if dataclasses.is_dataclass(tp):
-            kwargs[f.name] = _build(tp, data[name], key + ".")
-            continue
-        value = _coerce(data[name], tp, key)
-        _check_range(value, f.metadata, key)
-        kwargs[f.name] = value
-    return cls(**kwargs)
+        raise ConfigError(f"config: expected a section (mapping), got {data!r}")
+    try:
+        return schema.model_validate(data, context={"world_size": world_size})
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = next((x for x in errors if x["type"] == "extra_forbidden"), errors[0])
+        raise ConfigError(_one_line(schema, first)) from None
 
 
-def _check_range(value, meta, key):
-    if value is None or not meta or isinstance(value, (list, dict, str, bool)):
-        return
-    lo, hi, lo_open = meta.get("lo"), meta.get("hi"), meta.get("lo_open")
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise ConfigError(f"{key}: must be {'>' if lo_open else '>='} {lo}; got {value}")
-    if hi is not None and value > hi:
-        raise ConfigError(f"{key}: must be <= {hi}; got {value}")
+def _field_at(schema: type[BaseModel], loc: tuple) -> tuple[type[BaseModel] | None, Any]:
+    """(the section holding the key at ``loc``, the key's FieldInfo or None)."""
+    model, info = schema, None
+    for i, part in enumerate(loc):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None, None
+        name = next((n for n, f in model.model_fields.items() if part in (n, f.alias)), None)
+        if name is None:
+            return model, None
+        info = model.model_fields[name]
+        if i == len(loc) - 1:
+            return model, info
+        model = info.annotation
+    return model, info
 
 
-def world_size_from_env(cfg: Config) -> int:
-    env = os.environ.get("WORLD_SIZE")
-    return int(env) if env else cfg.world_size_planned
+def _key(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else f"{'.' if out else ''}{part}"
+    return out
 
 
-def validate(cfg: Config, *, world_size: int | None = None) -> None:
-    """Cross-field checks that no single field can make."""
-    ws = world_size if world_size is not None else world_size_from_env(cfg)
-    if ws < 1:
-        raise ConfigError(f"world size must be >= 1; got {ws}")
-    t = cfg.train
-    if t.micro_batch > t.global_batch:
-        raise ConfigError(f"train.micro_batch: {t.micro_batch} is larger than train.global_batch {t.global_batch}")
-    if t.global_batch % (ws * t.micro_batch):
-        raise ConfigError(
-            f"train.global_batch: {t.global_batch} is not divisible by world size {ws} x "
-            f"train.micro_batch {t.micro_batch}")
-    m = cfg.model
-    if m.name is None and None in (m.width, m.depth, m.heads, m.mlp_dim, m.patch):
-        raise ConfigError("model: give model.name (e.g. vit_b16) or all of width, depth, heads, mlp_dim, patch")
-    patch = m.patch if m.patch is not None else _variant_patch(m.name)
-    if patch and m.img_size % patch:
-        raise ConfigError(f"model.img_size: {m.img_size} is not divisible by the patch size {patch}")
-    if m.width and m.heads and m.width % m.heads:
-        raise ConfigError(f"model.heads: width {m.width} is not divisible by {m.heads} heads")
-    if not m.class_token and m.pool == "token":
-        raise ConfigError("model.pool: 'token' pooling needs model.class_token=true (use pool=gap)")
-    if m.patch_drop >= 1:
-        raise ConfigError(f"model.patch_drop: a fraction of patches in [0, 1) (0 = off); got {m.patch_drop}")
-    if len(cfg.data.crop_scale) != 2 or not 0 < cfg.data.crop_scale[0] <= cfg.data.crop_scale[1] <= 1:
-        raise ConfigError(f"data.crop_scale: need [lo, hi] with 0 < lo <= hi <= 1; got {cfg.data.crop_scale}")
-    if len(cfg.optim.betas) != 2 or not all(0 <= b < 1 for b in cfg.optim.betas):
-        raise ConfigError(f"optim.betas: need two values in [0, 1); got {cfg.optim.betas}")
-    e = cfg.engine
-    if any(c.isspace() or c in "/@" for c in e.master_addr):  # a host name or an IPv4/IPv6 address
-        raise ConfigError(f"engine.master_addr: expected a host name or address, got {e.master_addr!r}")
-    if 0 < e.master_port < 1024:
-        raise ConfigError(f"engine.master_port: must be 0 (derived) or 1024-65535; got {e.master_port}")
-    if e.offload_params and e.zero_stage != 3:
-        raise ConfigError(f"engine.offload_params: needs engine.zero_stage=3; got {e.zero_stage}")
-    if e.offload_optimizer and e.zero_stage == 0:
-        raise ConfigError("engine.offload_optimizer: needs engine.zero_stage >= 1")
-    if cfg.optim.ema is not None and e.zero_stage == 3:
-        raise ConfigError("optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)")
-    if any(s < 1 for s in cfg.eval.fewshot_shots):
-        raise ConfigError(f"eval.fewshot_shots: shots must be >= 1; got {cfg.eval.fewshot_shots}")
-    names = [n for n, _ in fewshot_sets(cfg.eval.fewshot_data)]
-    if not all(re.fullmatch(r"[\w.-]+", n) for n in names) or len(set(names)) != len(names):
-        raise ConfigError(f"eval.fewshot_data: each set needs its own name of [A-Za-z0-9_.-] (metrics are "
-                          f"fewshot/<name>/...: the folder's, or NAME=PATH); got {cfg.eval.fewshot_data}")
+def _bound(info, name: str):
+    """The bound ``name`` (gt, ge, le) as the field declares it (0, not pydantic's 0.0)."""
+    for m in getattr(info, "metadata", []):
+        if hasattr(m, name):
+            return getattr(m, name)
+    return None
 
 
-def fewshot_sets(entries: list[str]) -> list[tuple[str, str]]:
-    """eval.fewshot_data entries -> (name, folder): ``NAME=PATH``, or the folder's own name."""
-    return [tuple(e.split("=", 1)) if "=" in e else (Path(e.rstrip("/")).name, e) for e in entries]
-
-
-def _variant_patch(name: str | None) -> int | None:
-    """Patch size encoded in a variant name ("vit_b16" → 16, "vit_h14" → 14)."""
-    if not name:
-        return None
-    digits = "".join(ch for ch in name.split("_")[-1] if ch.isdigit())
-    return int(digits) if digits else None
+def _one_line(schema: type[BaseModel], err: dict) -> str:
+    loc, kind, got = tuple(err["loc"]), err["type"], err.get("input")
+    key = _key(loc)
+    if kind == "vitp_check":
+        return err["ctx"]["message"]
+    if kind == "extra_forbidden":
+        section = _field_at(schema, loc[:-1])[1].annotation if loc[:-1] else schema
+        names = [f.alias or n for n, f in section.model_fields.items()]
+        prefix = _key(loc[:-1]) + "." if loc[:-1] else ""
+        close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+        hint = f" (did you mean '{prefix}{close[0]}'?)" if close else f" (valid: {', '.join(names)})"
+        return f"{key}: unknown key{hint}"
+    if kind == "model_type":
+        return f"{key or 'config'}: expected a section (mapping), got {got!r}"
+    if kind in ("greater_than", "greater_than_equal", "less_than_equal", "less_than"):
+        name = {"greater_than": "gt", "greater_than_equal": "ge", "less_than_equal": "le", "less_than": "lt"}[kind]
+        sign = {"gt": ">", "ge": ">=", "le": "<=", "lt": "<"}[name]
+        info = _field_at(schema, loc)[1]
+        bound = _bound(info, name)
+        if isinstance(got, int) and any(a in (float, Float) for a in (getattr(info, "annotation", None),
+                                                                      *get_args(getattr(info, "annotation", None)))):
+            got = float(got)  # as the field holds it: "got 0.0"
+        return f"{key}: must be {sign} {err['ctx'][name] if bound is None else bound}; got {got}"
+    return f"{key}: {err['msg']}"  # vitp_type, vitp_choice: the field type's own words
 
 
 # --------------------------------------------------------------------------------------------------
@@ -495,13 +585,15 @@ def to_dict(cfg, *, secrets: bool = False) -> dict:
     """Config → plain nested dict, with YAML key names. Every string is redacted (pipeline/secrets.py:
     URI userinfo and token-like query values masked) unless ``secrets=True``: what this returns gets
     written (config.yaml, manifests, MLflow params, the job's pickle), the secret stays in memory."""
-    if dataclasses.is_dataclass(cfg):
-        return {_yaml_name(f): to_dict(getattr(cfg, f.name), secrets=secrets) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, list):
-        return [to_dict(v, secrets=secrets) for v in cfg]
-    if isinstance(cfg, dict):
-        return {k: to_dict(v, secrets=secrets) for k, v in cfg.items()}
-    return cfg if secrets else redact(cfg)
+    return _map_strings(cfg.model_dump(by_alias=True), (lambda s: s) if secrets else redact)
+
+
+def _map_strings(data, fn):
+    if isinstance(data, dict):
+        return {k: _map_strings(v, fn) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_map_strings(v, fn) for v in data]
+    return fn(data)
 
 
 def secret_values(cfg) -> list[str]:
@@ -516,27 +608,17 @@ def secret_values(cfg) -> list[str]:
     return walk(to_dict(cfg, secrets=True))
 
 
-def _restored(data):
-    if isinstance(data, dict):
-        return {k: _restored(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_restored(v) for v in data]
-    return restore(data)
-
-
-def from_dict(data: dict, *, world_size: int | None = None) -> Config:
+def from_dict(data: dict, *, world_size: int | None = None, schema: type[StageConfig] = Config):
     """A config from :func:`to_dict`'s output; redacted values get their secret back where this
     process knows it (pipeline.secrets.restore)."""
-    cfg = _build(Config, _restored(data), "")
-    validate(cfg, world_size=world_size)
-    return cfg
+    return build(schema, _map_strings(data, restore), world_size=world_size)
 
 
-def to_yaml(cfg: Config) -> str:
+def to_yaml(cfg: StageConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def flatten(cfg: Config) -> dict[str, Any]:
+def flatten(cfg: StageConfig) -> dict[str, Any]:
     """Dotted keys → values, e.g. for MLflow params."""
     out: dict[str, Any] = {}
 
@@ -551,7 +633,7 @@ def flatten(cfg: Config) -> dict[str, Any]:
     return out
 
 
-def write_resolved(cfg: Config, run_dir: str | os.PathLike) -> Path:
+def write_resolved(cfg: StageConfig, run_dir: str | os.PathLike) -> Path:
     """Write ``config.yaml`` (the resolved config) into ``run_dir``, atomically."""
     from pipeline.files import atomic_write
 

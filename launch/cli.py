@@ -149,7 +149,7 @@ def config_main(argv: list[str]) -> int:
     p = parser_for("config")
     sub = p.add_subparsers(dest="action", required=True)
     show = sub.add_parser("show", help="print the resolved config as YAML",
-                          epilog=f"example:\n  {COMMANDS['config'][2]}",
+                          epilog=f"example:\n  {COMMANDS['config'][2]}\n\n{exit_codes_text('config')}",
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(show)
     args = p.parse_args(argv)

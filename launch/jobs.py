@@ -216,6 +216,8 @@ def jobs_main(argv: list[str]) -> int:
     p.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help="cluster.log_dir of the submissions")
     p.add_argument("-n", "--last", type=int, default=20, help="show the last N submissions")
     args = p.parse_args(argv)
+    if args.last < 1:
+        raise ValueError(f"--last: must be >= 1; got {args.last}")
     entries = read_index(args.log_dir)[-args.last:]
     if not entries:
         print(f"no jobs in {Path(args.log_dir) / INDEX}")

@@ -1,4 +1,4 @@
-"""`vitp prep` and `vitp verify` (dispatched here by launch/cli.py; also `python -m data_prep.cli prep ...`)."""
+"""`vitp prep` and `vitp verify`: their arguments; launch/cli.py dispatches them and maps their errors."""
 
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ submitit starts one Python process per task (``srun``), unpickles the callable a
 callable then
 
 1. reads rank/world/master from submitit's ``JobEnvironment`` and exports RANK, WORLD_SIZE,
-   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, then joins the process group with a
-   timeout (before DeepSpeed starts, so DeepSpeed reuses it; no ssh, no hostfile);
+   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, then sets the process up
+   (:func:`pipeline.distributed.setup`: the accelerator, held to the GPUs the job asked for, and the
+   process group, with a timeout, before DeepSpeed starts, so DeepSpeed reuses it; no ssh, no hostfile);
 2. replaces submitit's signal handlers on every rank: SIGUSR2 (time limit near) and SIGTERM only ask
    the stage to stop at the next step boundary (:func:`pipeline.train.stopping.request_stop`).
    submitit's own handler checkpoints from rank 0 alone, but DeepSpeed's save is collective and would

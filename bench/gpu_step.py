@@ -40,7 +40,7 @@ import tempfile
 import time
 import traceback
 import types
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -380,7 +380,8 @@ class Bench:
             prep(src, out, workers=cores, progress=False, max_samples_per_shard=max(1, n // cores), seed=0)
             log(f"loader: {n} JPEGs {lo}-{hi} px prepped into {len(list(out.glob('train-*.tar')))} shards "
                 f"in {time.perf_counter() - t:.1f}s; {cores} workers, micro batch {batch}")
-            data = replace(cfg.data, path=str(out), workers=cores, shuffle_buffer=min(cfg.data.shuffle_buffer, 1000))
+            data = cfg.data.model_copy(update={"path": str(out), "workers": cores,
+                                               "shuffle_buffer": min(cfg.data.shuffle_buffer, 1000)})
             loader = TrainLoader(data, img_size=cfg.model.img_size, micro_batch=batch, global_batch=batch, rank=0,
                                  world_size=1, seed=0, pin_memory=self.cuda)
             it = loader.forever()

@@ -40,7 +40,7 @@ import tempfile
 import time
 import traceback
 import types
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.config import load_config  # noqa: E402
 from pipeline.data.loader import TrainLoader, normalize  # noqa: E402
+from pipeline.distributed import setup  # noqa: E402
 from pipeline.model.flops import train_step_flops  # noqa: E402
 from pipeline.train import engine as eng  # noqa: E402
 from pipeline.train.loss import loss_fn  # noqa: E402
@@ -379,7 +380,8 @@ class Bench:
             prep(src, out, workers=cores, progress=False, max_samples_per_shard=max(1, n // cores), seed=0)
             log(f"loader: {n} JPEGs {lo}-{hi} px prepped into {len(list(out.glob('train-*.tar')))} shards "
                 f"in {time.perf_counter() - t:.1f}s; {cores} workers, micro batch {batch}")
-            data = replace(cfg.data, path=str(out), workers=cores, shuffle_buffer=min(cfg.data.shuffle_buffer, 1000))
+            data = cfg.data.model_copy(update={"path": str(out), "workers": cores,
+                                               "shuffle_buffer": min(cfg.data.shuffle_buffer, 1000)})
             loader = TrainLoader(data, img_size=cfg.model.img_size, micro_batch=batch, global_batch=batch, rank=0,
                                  world_size=1, seed=0, pin_memory=self.cuda)
             it = loader.forever()
@@ -406,7 +408,7 @@ class Bench:
         a = self.args
         models = a.models.split(",")
         cfg0 = self.cfg(models[0], 1)
-        eng.init_distributed(cfg0)  # the 1-rank group every engine below reuses
+        setup(cfg0)  # the 1-rank group every engine below reuses
         if self.compiling:
             for key in ("cache_size_limit", "recompile_limit"):  # batch sizes x last-block variants
                 if hasattr(torch._dynamo.config, key):

@@ -1,4 +1,4 @@
-"""`vitp prep` and `vitp verify` (dispatched here by launch/cli.py; also `python -m data_prep.cli prep ...`)."""
+"""`vitp prep` and `vitp verify`: their arguments; launch/cli.py dispatches them and maps their errors."""
 
 from __future__ import annotations
 
@@ -22,12 +22,16 @@ A manifest (.csv/.jsonl/.parquet) has a path column (relative to the manifest) a
 or a list value; names or indices; the sample's .cls is the first one, or the label column's value
 when the manifest has both, and the json holds them all as "labels"). Rerunning the same command
 resumes: complete shards are kept.
+
+Exit status 0 done; 1 a worker process died (rerun the same command to resume); 2 a usage or input
+mistake (one line on stderr).
 """
 
 VERIFY_EPILOG = """\
 example:
   vitp verify out/in1k --workers 8
-Exit status 0 when every shard decodes and all counts and hashes agree; 1 with the problems listed.
+Exit status 0 when every shard decodes and all counts and hashes agree; 1 with the problems listed;
+2 a usage or input mistake (one line on stderr).
 """
 
 
@@ -87,19 +91,17 @@ def prep_main(argv: list[str]) -> int:
     max_samples = args.max_samples_per_shard
     if max_samples is None and args.shard_size is None:
         max_samples = DEFAULT_MAX_SAMPLES_PER_SHARD
-    try:
-        summary = prep(
-            args.source, args.out, seed=args.seed, val_fraction=args.val_fraction, split_column=args.split_column,
-            path_column=args.path_column, label_column=args.label_column,
-            labels_column=args.labels_column, classes=args.classes,
-            shard_size_bytes=args.shard_size, max_samples_per_shard=max_samples,
-            resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
-            min_size=args.min_size, max_pixels=args.max_pixels, keep_original=args.keep_original,
-            dedup=args.dedup, workers=args.workers, shard_range=args.shard_range, progress=args.progress,
-        )
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"vitp prep: error: {e}", file=sys.stderr)
-        return 1
+    # a mistake in the input is a ValueError/FileNotFoundError (exit 2), a dead worker shards.WorkerDied
+    # (exit 1): `vitp`'s one error path (launch/cli.py) prints either as one line
+    summary = prep(
+        args.source, args.out, seed=args.seed, val_fraction=args.val_fraction, split_column=args.split_column,
+        path_column=args.path_column, label_column=args.label_column,
+        labels_column=args.labels_column, classes=args.classes,
+        shard_size_bytes=args.shard_size, max_samples_per_shard=max_samples,
+        resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
+        min_size=args.min_size, max_pixels=args.max_pixels, keep_original=args.keep_original,
+        dedup=args.dedup, workers=args.workers, shard_range=args.shard_range, progress=args.progress,
+    )
     print(json.dumps(summary, indent=1))
     return 0
 
@@ -110,6 +112,8 @@ def verify_main(argv: list[str]) -> int:
     p.add_argument("out", help="directory written by vitp prep")
     p.add_argument("--workers", type=int, default=1, help="processes reading shards (default 1)")
     args = p.parse_args(argv)
+    if args.workers < 1:
+        raise ValueError(f"--workers: must be >= 1; got {args.workers}")
     from .checks import verify
 
     problems = verify(args.out, workers=args.workers)
@@ -127,14 +131,3 @@ def verify_main(argv: list[str]) -> int:
           f"({per_split}), {info.get('num_rejects', 0)} rejects")
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("prep", "verify"):
-        print("usage: python -m data_prep.cli {prep,verify} ...", file=sys.stderr)
-        return 2
-    return (prep_main if argv[0] == "prep" else verify_main)(argv[1:])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

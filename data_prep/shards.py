@@ -31,6 +31,10 @@ KILL_ENV = "VITP_PREP_TEST_KILL_AT"
 _MTIME = 0  # fixed member metadata: same inputs → same tar bytes
 
 
+class WorkerDied(RuntimeError):
+    """A prep worker process died (killed, out of memory): the run failed (exit 1); rerunning resumes."""
+
+
 def stats_path(out: Path, name: str) -> Path:
     return out / f"{name}_stats.json"
 
@@ -204,7 +208,7 @@ def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], p
                 done.append(writer.finish())
                 writer = None
     except BrokenProcessPool:
-        raise RuntimeError(
+        raise WorkerDied(
             f"a worker process died (killed, or out of memory?) while writing "
             f"{shards[max(cur, 0)]['name']}; "
             "rerun the same command to resume"

@@ -1,7 +1,8 @@
 """`vitp`: one command per stage. Each command's ``main(argv: list[str]) -> int`` (its argparse, with
 `--help` and an example) lives in launch/ and is imported only when the command runs, so `vitp prep`
 starts without torch and `vitp --help` is instant; the stages it calls are library functions of a
-typed config. This table is the only place that knows the commands.
+typed config. This table is the only place that knows the commands, and :func:`run_command` the only
+place that turns an error into an exit code (:data:`EXIT_CODES`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,68 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# What 1 means for each command whose run can fail after it started (0 is success, 2 a usage, config
+# or input mistake, for every command).
+FAILED = {
+    "prep": "a worker process died (rerun the same command to resume)",
+    "verify": "problems found (listed on stdout)",
+    "pretrain": "a failed run (a non-finite loss); 143: stopped by SIGTERM after a checkpoint (run it again "
+                "to resume)",
+    "transfer": "a failed run (a non-finite loss); 143: stopped by SIGTERM after a checkpoint (run it again "
+                "to resume)",
+    "submit": "with --wait: a job failed, or --preflight's checks failed",
+    "preflight": "a check failed",
+    "logs": "no log yet",
+    "cancel": "a job could not be cancelled",
+    "sync": "records not delivered (the server is still unreachable; the spool is kept)",
+    "demo": "a step of the demo failed",
+}
+
+# The project's errors -> exit codes, first match wins; by (module, class) so that this table imports
+# nothing (`vitp --help` stays instant, `vitp prep` free of torch): an error can only be raised by a
+# module that is loaded. Anything else is a bug: its traceback, exit 1.
+EXIT_CODES: tuple[tuple[str, str, int], ...] = (
+    ("pipeline.train.loop", "NonFiniteLoss", 1),  # the run started and failed
+    ("data_prep.shards", "WorkerDied", 1),
+    ("launch.cli", "CommandFailed", 1),
+    # a mistake in what was asked (nothing started, or nothing done is lost): fix it and run again
+    ("pipeline.train.loop", "RunDirError", 2),
+    ("pipeline.rundir", "RunDirBusy", 2),
+    ("pipeline.distributed", "AcceleratorError", 2),
+    ("pipeline.distributed", "RendezvousError", 2),
+    ("pipeline.tracking.mlflow_sink", "TrackingAccessError", 2),
+    # ConfigError, DataError, WeightsError, PlanError, SubmitError: the project's bad values are ValueErrors
+    ("builtins", "ValueError", 2),
+    ("builtins", "FileNotFoundError", 2),
+)
+
+
+class CommandFailed(RuntimeError):
+    """What a command ran failed (exit 1); the message is one line."""
+
+
+def exit_code(e: BaseException) -> int | None:
+    """The exit code of a project error (:data:`EXIT_CODES`), None for anything else."""
+    for module, name, code in EXIT_CODES:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(e, cls):
+            return code
+    return None
+
+
+def run_command(fn, argv: list[str]) -> int:
+    """``fn(argv)`` with the one error path of every command: a project error is ``error: MESSAGE`` on
+    stderr (one line) and its exit code (2 a usage, config or input mistake; 1 a failed run)."""
+    try:
+        return int(fn(argv) or 0)
+    except Exception as e:
+        code = exit_code(e)
+        if code is None:
+            raise
+        print_error(e)
+        return code
+
+
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """The `--config X.yaml key=value ...` arguments every config-driven stage takes."""
     p.add_argument("--config", required=True, help="YAML recipe, e.g. configs/pretrain/tiny_cpu.yaml")
@@ -52,11 +115,18 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
                    help="dotted overrides, e.g. optim.lr=3e-4 train.steps=100")
 
 
+def exit_codes_text(command: str) -> str:
+    """The exit codes of ``command``, for its --help."""
+    failed = f", 1 {FAILED[command]}" if command in FAILED else ""
+    return f"exit codes: 0 done{failed}, 2 a usage, config or input mistake (one line on stderr)"
+
+
 def parser_for(command: str, description: str = "") -> argparse.ArgumentParser:
-    """An argparse parser named `vitp COMMAND` whose help ends with the table's example."""
+    """An argparse parser named `vitp COMMAND` whose help ends with the table's example and the
+    command's exit codes."""
     _, summary, example = COMMANDS[command]
     return argparse.ArgumentParser(prog=f"vitp {command}", description=description or summary,
-                                   epilog=f"example:\n  {example}",
+                                   epilog=f"example:\n  {example}\n\n{exit_codes_text(command)}",
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
@@ -67,28 +137,25 @@ def print_error(message: object) -> None:
     sys.stderr.flush()
 
 
-def load_config_or_exit(args: argparse.Namespace, **kw):
-    """Load and validate; on a mistake print its one line and exit 2 before anything starts."""
-    from pipeline.config import ConfigError, load_config
+def load_args_config(args: argparse.Namespace, **kw):
+    """``--config X.yaml key=value ...`` loaded and validated (a mistake: ConfigError, exit 2 before
+    anything starts)."""
+    from pipeline.config import load_config
 
-    try:
-        return load_config(args.config, args.overrides, **kw)
-    except ConfigError as e:
-        print_error(e)
-        raise SystemExit(2) from None
+    return load_config(args.config, args.overrides, **kw)
 
 
 def config_main(argv: list[str]) -> int:
     p = parser_for("config")
     sub = p.add_subparsers(dest="action", required=True)
     show = sub.add_parser("show", help="print the resolved config as YAML",
-                          epilog=f"example:\n  {COMMANDS['config'][2]}",
+                          epilog=f"example:\n  {COMMANDS['config'][2]}\n\n{exit_codes_text('config')}",
                           formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(show)
     args = p.parse_args(argv)
     from pipeline.config import to_yaml
 
-    print(to_yaml(load_config_or_exit(args)), end="")
+    print(to_yaml(load_args_config(args)), end="")
     return 0
 
 
@@ -103,13 +170,7 @@ def _top_parser() -> argparse.ArgumentParser:
 
 def _resolve(target: str):
     module, func = target.split(":")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and (module == e.name or module.startswith(e.name + ".")):
-            return None  # the stage's module does not exist yet
-        raise
-    return getattr(mod, func, None)
+    return getattr(importlib.import_module(module), func)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,13 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         _top_parser().print_usage(sys.stderr)
         print(f"vitp: error: unknown command {command!r}", file=sys.stderr)
         return 2
-    fn = _resolve(COMMANDS[command][0])
-    if fn is None:
-        if rest and rest[0] in ("-h", "--help"):
-            parser_for(command, COMMANDS[command][1] + " (not implemented yet)").print_help()
-        print(f"vitp {command}: not implemented yet", file=sys.stderr)
-        return 3
-    return int(fn(rest) or 0)
+    return run_command(_resolve(COMMANDS[command][0]), rest)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,10 @@ import csv
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
+
+from launch.cli import CommandFailed, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN_RECIPE = ROOT / "configs/pretrain/tiny_cpu.yaml"
@@ -68,7 +69,7 @@ def _run_ranks(argv: list[str], nprocs: int) -> None:
 
     rc = run_local(argv, nprocs)
     if rc != 0:
-        raise SystemExit(f"error: `vitp {' '.join(argv[:1])}` failed with exit code {rc}")
+        raise CommandFailed(f"`vitp {' '.join(argv[:1])}` failed with exit code {rc}")
 
 
 # Tuned on the digits: 1.3k training images want a higher lr, gentle crops (a digit cut in half
@@ -124,10 +125,10 @@ def run_demo(out: Path, *, data: Path | None = None, nprocs: int = 2, pretrain_s
     def do_eval():
         from launch.stages import eval_main
 
-        rc = eval_main(["--checkpoint", str(ft_dir), "--data", str(shards), "--split", test_split,
+        rc = run_command(eval_main, ["--checkpoint", str(ft_dir), "--data", str(shards), "--split", test_split,
                         "--fewshot", "--out", str(out / "eval")])
         if rc:
-            raise SystemExit(f"error: vitp eval failed with exit code {rc}")
+            raise CommandFailed(f"vitp eval failed with exit code {rc}")
         res = json.loads((out / "eval" / "results.json").read_text())
         summary_extra["fewshot_10shot"] = res.get("eval/fewshot/10shot")
         return f"{test_split}_top1", res[f"eval/{test_split}/top1"]
@@ -140,8 +141,8 @@ def run_demo(out: Path, *, data: Path | None = None, nprocs: int = 2, pretrain_s
         images = sorted(p for p in root.rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))[::97][:8]
         for name, run in (("pretrain", pre_dir), ("transfer", ft_dir)):
             argv = ["--checkpoint", str(run), "--out", str(out / "figures" / name)]
-            if inspect_main(argv + [a for p in images for a in ("--image", str(p))]):
-                raise SystemExit(f"error: vitp inspect {run} failed")
+            if run_command(inspect_main, argv + [a for p in images for a in ("--image", str(p))]):
+                raise CommandFailed(f"vitp inspect {run} failed")
         return "figures", len(list((out / "figures").rglob("*.png")))
 
     _stage("prep", summary, do_prep)
@@ -191,8 +192,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--transfer-steps", type=int, default=300)
     args = p.parse_args(argv)
     if args.data and not Path(args.data).is_dir():
-        print(f"error: --data {args.data}: not a directory", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"--data {args.data}: not a directory")
     run_demo(Path(args.out), data=Path(args.data) if args.data else None, nprocs=args.nprocs,
              pretrain_steps=args.pretrain_steps, transfer_steps=args.transfer_steps)
     return 0

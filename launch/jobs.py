@@ -23,6 +23,7 @@ from pathlib import Path
 from pipeline.files import read_jsonl
 
 from .attempts import describe, read_events
+from .cli import print_error
 
 DEFAULT_LOG_DIR = "runs/jobs"
 INDEX = "index.jsonl"
@@ -41,6 +42,10 @@ def read_index(log_dir: str | os.PathLike) -> list[dict]:
     return read_jsonl(Path(log_dir) / INDEX, skip_cut=True)
 
 
+class UnknownJob(ValueError):
+    """A job id that this log dir does not know (exit 2)."""
+
+
 def find_job(job_id: str, log_dir: str | os.PathLike) -> dict:
     for e in reversed(read_index(log_dir)):
         if e["job_id"] == job_id:
@@ -48,7 +53,7 @@ def find_job(job_id: str, log_dir: str | os.PathLike) -> dict:
     folder = Path(log_dir) / job_id
     if folder.is_dir():
         return {"job_id": job_id, "folder": str(folder), "executor": "slurm"}
-    raise SystemExit(f"error: job {job_id}: not in {Path(log_dir) / INDEX} (use --log-dir)")
+    raise UnknownJob(f"job {job_id}: not in {Path(log_dir) / INDEX} (use --log-dir)")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,6 +216,8 @@ def jobs_main(argv: list[str]) -> int:
     p.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help="cluster.log_dir of the submissions")
     p.add_argument("-n", "--last", type=int, default=20, help="show the last N submissions")
     args = p.parse_args(argv)
+    if args.last < 1:
+        raise ValueError(f"--last: must be >= 1; got {args.last}")
     entries = read_index(args.log_dir)[-args.last:]
     if not entries:
         print(f"no jobs in {Path(args.log_dir) / INDEX}")
@@ -256,7 +263,7 @@ def logs_main(argv: list[str]) -> int:
                 print(f"==> {path} <==") if len(paths) > 1 else None
                 sys.stdout.write(path.read_text(errors="replace"))
         if not found:
-            print(f"error: no log yet for job {args.job} rank {args.rank} ({paths[0]})", file=sys.stderr)
+            print_error(f"no log yet for job {args.job} rank {args.rank} ({paths[0]})")
             return 1
         return 0
     offsets = {p: 0 for p in paths}
@@ -290,7 +297,7 @@ def cancel_main(argv: list[str]) -> int:
             try:
                 os.kill(int(jid), 15)
             except (ValueError, OSError) as e:
-                print(f"error: cancel {jid}: {e}", file=sys.stderr)
+                print_error(f"cancel {jid}: {e}")
                 rc = 1
             continue
         try:  # read at SIGTERM time: this TERM is a cancel, whatever else SLURM says (launch/preempt.py)
@@ -299,7 +306,7 @@ def cancel_main(argv: list[str]) -> int:
             pass  # the job folder is gone or not writable; SLURM's state tells a cancel apart too
         r = subprocess.run(["scancel", jid], capture_output=True, text=True)
         if r.returncode:
-            print(f"error: scancel {jid}: {r.stderr.strip()}", file=sys.stderr)
+            print_error(f"scancel {jid}: {r.stderr.strip()}")
             rc = 1
         else:
             print(f"cancelled {jid}")

@@ -4,8 +4,9 @@ submitit starts one Python process per task (``srun``), unpickles the callable a
 callable then
 
 1. reads rank/world/master from submitit's ``JobEnvironment`` and exports RANK, WORLD_SIZE,
-   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, then joins the process group with a
-   timeout (before DeepSpeed starts, so DeepSpeed reuses it; no ssh, no hostfile);
+   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, then sets the process up
+   (:func:`pipeline.distributed.setup`: the accelerator, held to the GPUs the job asked for, and the
+   process group, with a timeout, before DeepSpeed starts, so DeepSpeed reuses it; no ssh, no hostfile);
 2. replaces submitit's signal handlers on every rank: SIGUSR2 (time limit near) and SIGTERM only ask
    the stage to stop at the next step boundary (:func:`pipeline.train.stopping.request_stop`).
    submitit's own handler checkpoints from rank 0 alone, but DeepSpeed's save is collective and would
@@ -39,14 +40,7 @@ import time
 from pathlib import Path
 
 from launch.attempts import append_event, count, read_events, retried
-from pipeline.distributed import (
-    DistEnv,
-    choose_accelerator,
-    export_env,
-    init_process_group,
-    leave_process_group,
-    rendezvous_port,
-)
+from pipeline.distributed import DistEnv, export_env, leave_process_group, rendezvous_port, setup
 from pipeline.files import write_json
 from pipeline.train import stopping
 
@@ -58,6 +52,13 @@ STAGE_TARGETS = {
     "eval": "pipeline.evaluate:evaluate",
     "prep": "launch.preempt:run_prep",
 }
+
+
+def stage_schema(stage: str):
+    """The config model of ``stage``: the sections it reads (pipeline.config)."""
+    from pipeline.config import Config, EvalConfig, PrepConfig
+
+    return {"eval": EvalConfig, "prep": PrepConfig}.get(stage, Config)
 
 
 CANCEL_MARK = "cancel-requested"  # written by `vitp cancel` before scancel
@@ -265,7 +266,7 @@ class StageJob:
         os.environ.update({k: str(v) for k, v in self.env.items()})
         os.environ["VITP_JOB_ID"] = str(job_env.job_id)
         os.environ.update(nccl_debug_env(folder))  # read when the NCCL process group is created
-        cfg = from_dict(self.cfg, world_size=d.world_size)
+        cfg = from_dict(self.cfg, world_size=d.world_size, schema=stage_schema(self.stage))
         stopping.clear()
         if self.stage in COOPERATIVE:
             install_stop_handlers()
@@ -274,9 +275,9 @@ class StageJob:
                                                                cfg.cluster.max_requeues))
         print(f"vitp: {self.stage} rank {d.rank}/{d.world_size} local {d.local_rank}/{d.local_world_size} "
               f"master {d.master_addr}:{d.master_port} restart {_restarts()}", file=sys.stderr, flush=True)
-        # the accelerator is this node's choice (never the submitting host's DS_ACCELERATOR)
-        choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)
-        init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
+        # the accelerator is this node's choice (never the submitting host's DS_ACCELERATOR), held to the
+        # GPUs the job asked for; the rendezvous is the one exported above
+        setup(cfg, gpus_asked=cfg.cluster.gpus_per_node)
 
         if "VITP_TEST_PAUSE_AT_STEP" in os.environ:  # tests: hold every rank before the stage starts (step 0)
             from pipeline.train.checkpoint import maybe_fault

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 
-from .cli import print_error
 from .preflight_job import DEFAULTS, add_preflight_args, preflight_job
 from .submit import (
     SubmitError,
@@ -29,8 +28,6 @@ from .submit import (
 # `vitp preflight`
 # --------------------------------------------------------------------------------------------------
 def preflight_main(argv: list[str]) -> int:
-    from pipeline.config import ConfigError
-
     from .cli import add_config_args, parser_for
 
     p = parser_for("preflight", "A short job on the run's partition and node count that checks torch's CUDA vs "
@@ -48,16 +45,12 @@ def preflight_main(argv: list[str]) -> int:
     args = p.parse_intermixed_args(argv)
     cluster = args.cluster or default_cluster()
     opts = {k: getattr(args, k) for k in DEFAULTS}
-    try:
-        if args.io_mb < 1 or args.read_mb < 0 or args.allreduce_mb <= 0 or not 0 <= args.min_fabric <= 1:
-            raise SubmitError("--io-mb >= 1, --read-mb >= 0, --allreduce-mb > 0, 0 <= --min-fabric <= 1; got "
-                              f"{args.io_mb}, {args.read_mb}, {args.allreduce_mb:g}, {args.min_fabric:g}")
-        cfg = load_submit_config(args.config, args.overrides, args.resources)
-        check_cluster(cfg, cluster)
-        check_data(cfg, "pretrain")
-    except (ConfigError, SubmitError, FileNotFoundError) as e:
-        print_error(e)
-        return 2
+    if args.io_mb < 1 or args.read_mb < 0 or args.allreduce_mb <= 0 or not 0 <= args.min_fabric <= 1:
+        raise SubmitError("--io-mb >= 1, --read-mb >= 0, --allreduce-mb > 0, 0 <= --min-fabric <= 1; got "
+                          f"{args.io_mb}, {args.read_mb}, {args.allreduce_mb:g}, {args.min_fabric:g}")
+    cfg = load_submit_config(args.config, args.overrides, args.resources)
+    check_cluster(cfg, cluster)
+    check_data(cfg, "pretrain")
     if args.dry_run:
         print(json.dumps(slurm_parameters(preflight_job(cfg, opts)[0]), indent=1, sort_keys=True))
         return 0

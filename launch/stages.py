@@ -1,8 +1,9 @@
 """Argument parsing of every stage command, and what each prints; the stages themselves are library
 functions of a typed config (pipeline.pretrain, .transfer, .evaluate) that know nothing of argv.
 
-Exit codes: 0 done (or stopped for a requeue), 1 a non-finite loss, 2 a usage or input error (one
-line naming the key, file or value, before anything starts where it can be known then).
+Exit codes (launch/cli.py maps the errors, the same for every command): 0 done (or stopped for a
+requeue), 1 a non-finite loss, 2 a usage or input error (one line naming the key, file or value, before
+anything starts where it can be known then), 143 stopped by SIGTERM after a checkpoint.
 """
 
 from __future__ import annotations
@@ -11,12 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from launch.cli import add_config_args, load_config_or_exit, parser_for, print_error
-
-
-def _error(e: BaseException) -> int:
-    print_error(e)
-    return 2
+from launch.cli import add_config_args, load_args_config, parser_for
 
 
 def stop_on_term() -> None:
@@ -35,29 +31,17 @@ def stop_on_term() -> None:
 
 def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     """`vitp pretrain|transfer --config X.yaml [overrides]`: parse, validate (exit 2 before anything
-    starts), run ``fn(cfg)`` in this process group; exit 1 on a non-finite loss, 2 on a usage error,
-    143 (128 + SIGTERM) when a SIGTERM stopped it after saving a checkpoint (run it again to resume)."""
-    from pipeline.config import ConfigError
-    from pipeline.data import DataError
-    from pipeline.distributed import AcceleratorError, RendezvousError, dist_env, leave_process_group, rank0_print
-    from pipeline.rundir import RunDirBusy
-    from pipeline.tracking.mlflow_sink import TrackingAccessError
-    from pipeline.train.loop import NonFiniteLoss, RunDirError
-    from pipeline.weights import WeightsError
+    starts), run ``fn(cfg)`` in this process group; 143 (128 + SIGTERM) when a SIGTERM stopped it after
+    saving a checkpoint (run it again to resume). Errors: launch/cli.py's run_command."""
+    from pipeline.distributed import dist_env, leave_process_group, rank0_print
 
     p = parser_for(command, description)
     add_config_args(p)
     args = p.parse_args(argv)
-    cfg = load_config_or_exit(args, world_size=dist_env().world_size)
+    cfg = load_args_config(args, world_size=dist_env().world_size)
     stop_on_term()
     try:
         result = fn(cfg)
-    except NonFiniteLoss as e:
-        print_error(e)
-        return 1
-    except (RunDirError, RunDirBusy, ConfigError, DataError, FileNotFoundError, WeightsError, AcceleratorError,
-            RendezvousError, TrackingAccessError) as e:
-        return _error(e)
     finally:
         leave_process_group()
     rank0_print(f"{command} {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
@@ -103,12 +87,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                                                "else ./eval_<checkpoint name>)")
 
 
-# A config is only valid with a model; evaluation takes the model from the checkpoint instead.
-EVAL_MODEL_PLACEHOLDER = ["model.width=8", "model.depth=1", "model.heads=1", "model.mlp_dim=8", "model.patch=1"]
-
-
 def eval_overrides(args: argparse.Namespace) -> list[str]:
-    """`vitp eval` flags -> config overrides of the evaluation stage (checked like any config)."""
+    """`vitp eval` flags -> overrides of the evaluation stage's config (pipeline.config.EvalConfig)."""
     from pipeline.config import ConfigError
 
     if not Path(args.data).exists() and not args.data.startswith("synthetic"):
@@ -125,7 +105,7 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
           "eval.fewshot_l2": args.l2, "eval.linear_probe": args.linear_probe, "eval.top1": not args.no_top1,
           "eval.variant": args.model, "eval.img_size": args.img_size, "eval.batch": args.batch,
           "eval.max_train_images": args.max_train_images, "eval.out": args.out}
-    return [*EVAL_MODEL_PLACEHOLDER, *(f"{k}={json.dumps(v)}" for k, v in kv.items())]
+    return [f"{k}={json.dumps(v)}" for k, v in kv.items()]
 
 
 def print_eval(res) -> None:
@@ -143,8 +123,8 @@ def print_eval(res) -> None:
 
 
 def eval_main(argv: list[str]) -> int:
-    from pipeline.config import ConfigError, load_config
-    from pipeline.distributed import AcceleratorError, RendezvousError, dist_env, leave_process_group
+    from pipeline.config import EvalConfig, load_config
+    from pipeline.distributed import dist_env, leave_process_group
     from pipeline.evaluate import evaluate
 
     p = parser_for("eval", "Evaluate a checkpoint: top-1/top-5, per-class accuracy and confusion matrix on a "
@@ -152,13 +132,12 @@ def eval_main(argv: list[str]) -> int:
                            "few-shot linear evaluation and a linear probe on frozen features.")
     add_eval_args(p)
     args = p.parse_args(argv)
+    cfg = load_config(None, eval_overrides(args), world_size=dist_env().world_size, schema=EvalConfig)
     try:
-        cfg = load_config(None, eval_overrides(args), world_size=dist_env().world_size)
         res = evaluate(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, AcceleratorError, RendezvousError) as e:
-        return _error(e)
+    finally:
+        leave_process_group()
     print_eval(res)
-    leave_process_group()
     return 0
 
 
@@ -174,11 +153,7 @@ def export_main(argv: list[str]) -> int:
                    help="vitp names (safetensors) or timm VisionTransformer names (timm, also safetensors)")
     p.add_argument("out", help="output file, e.g. model.safetensors")
     args = p.parse_args(argv)
-    try:
-        n = export(args.checkpoint, args.out, args.format)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}")
-        return 2
+    n = export(args.checkpoint, args.out, args.format)
     print(f"wrote {args.out}: {n['tensors']} tensors, {n['params'] / 1e6:.2f}M parameters ({args.format})")
     return 0
 
@@ -193,19 +168,14 @@ def inspect_main(argv: list[str]) -> int:
     p.add_argument("--image", action="append", default=[], help="an input image (repeatable)")
     p.add_argument("--out", required=True, help="folder for the PNGs")
     args = p.parse_args(argv)
-    try:
-        model = load_model(args.checkpoint)
-        images = load_images(args.image, model.img_size) if args.image else None
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", flush=True)
-        return 2
+    model = load_model(args.checkpoint)
+    images = load_images(args.image, model.img_size) if args.image else None
     for path in write_figures(model, args.out, images):
         print(path)
     return 0
 
 
 def plan_main(argv: list[str]) -> int:
-    from pipeline.config import ConfigError
     from pipeline.plan.cost import (
         SWEEP_KEYS,
         PlanError,
@@ -238,17 +208,13 @@ def plan_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     kw = dict(dataset=args.dataset_size, num_classes=args.num_classes, backend=args.backend,
               headroom=args.headroom)
-    try:
-        if not 0 <= args.headroom < 1:
-            raise PlanError(f"--headroom: must be in [0, 1); got {args.headroom}")
-        cfg = load_planned(args.config, args.overrides, args.resources)
-        result = plan(cfg, **kw)
-        rec = recommend(cfg, model_shape(cfg, args.num_classes)[0], backend=args.backend, headroom=args.headroom)
-        rows = sweep(args.config, args.overrides, parse_sweep(args.sweep), resources=args.resources,
-                     **kw) if args.sweep else None
-    except (ConfigError, PlanError) as e:
-        print_error(e)
-        return 2
+    if not 0 <= args.headroom < 1:
+        raise PlanError(f"--headroom: must be in [0, 1); got {args.headroom}")
+    cfg = load_planned(args.config, args.overrides, args.resources)
+    result = plan(cfg, **kw)
+    rec = recommend(cfg, model_shape(cfg, args.num_classes)[0], backend=args.backend, headroom=args.headroom)
+    rows = sweep(args.config, args.overrides, parse_sweep(args.sweep), resources=args.resources,
+                 **kw) if args.sweep else None
     if args.json:
         print(json.dumps({**result, "recommendation": rec, "sweep": rows}, indent=1, default=float))
         return 0

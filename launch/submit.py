@@ -28,7 +28,6 @@ import uuid
 from pathlib import Path
 
 from .attempts import batch_lines
-from .cli import print_error
 from .jobs import (  # noqa: F401 (cli table)
     append_index,
     cancel_main,
@@ -41,10 +40,9 @@ from .jobs import (  # noqa: F401 (cli table)
     tracking_line,
     wait,
 )
-from .preempt import STAGE_TARGETS, StageJob
+from .preempt import STAGE_TARGETS, StageJob, stage_schema
 
 STAGES = ("prep", "pretrain", "transfer", "eval")
-_PREP_MODEL = ["model.width=8", "model.depth=1", "model.heads=1", "model.mlp_dim=8", "model.patch=1"]
 
 
 class SubmitError(ValueError):
@@ -54,12 +52,12 @@ class SubmitError(ValueError):
 # --------------------------------------------------------------------------------------------------
 # Config and resources
 # --------------------------------------------------------------------------------------------------
-def load_submit_config(recipe: str | None, overrides: list[str], resources: str | None = None):
+def load_submit_config(recipe: str | None, overrides: list[str], resources: str | None = None, stage: str = "pretrain"):
     """Recipe YAML, then a resources file (only `cluster:`/`hardware:`, e.g. configs/cluster/*.yaml)
-    on top of it, then dotted overrides; validated for the planned world size."""
+    on top of it, then dotted overrides; validated as ``stage``'s config for the planned world size."""
     from pipeline.config import load_config
 
-    return load_config(recipe, overrides, resources=resources)
+    return load_config(recipe, overrides, resources=resources, schema=stage_schema(stage))
 
 
 def slurm_parameters(cfg) -> dict:
@@ -178,8 +176,10 @@ def check_tracking(cfgs: list, stage: str) -> None:
     for cfg in cfgs:
         if not cfg.tracking.enabled:
             continue
-        uri, exp = resolve_uri(cfg, cfg.run.dir), cfg.tracking.experiment
-        if stage == "eval":
+        exp = cfg.tracking.experiment
+        if stage != "eval":
+            uri = resolve_uri(cfg, cfg.run.dir)
+        else:
             from pipeline.evaluate import evaluated_run
 
             parent = evaluated_run(cfg.eval.checkpoint) if Path(cfg.eval.checkpoint or "").exists() else None
@@ -449,74 +449,66 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
         return 0 if argv else 2
     stage, rest = argv[0], argv[1:]
     if stage not in STAGES:
-        print(f"error: unknown stage {stage!r}; one of {', '.join(STAGES)}", file=sys.stderr)
-        return 2
+        raise SubmitError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     # intermixed: key=value overrides may come before or after the options
     parser = {"prep": _prep_parser, "eval": _eval_parser}.get(stage, _stage_parser)()
     args = parser.parse_intermixed_args(rest)
     cluster = args.cluster or default_cluster()
-    from pipeline.config import ConfigError
+    extra: dict = {}
+    if stage == "prep":
+        bad = [o for o in args.overrides if not o.startswith("cluster.")]
+        if bad:
+            raise SubmitError(f"override {bad[0]!r}: `submit prep` takes only cluster.* overrides")
+        cfg = load_submit_config(None, args.overrides, args.resources, stage)
+        cfg.cluster.nodes, cfg.cluster.tasks_per_node = 1, 1  # each array task is one process
+        check_cluster(cfg, cluster)
+        if args.tasks < 1:
+            raise SubmitError(f"--tasks: must be >= 1; got {args.tasks}")
+        if args.dry_run:
+            print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
+            return 0
+        cfgs, calls = _prep_calls(args, cfg)
+    elif stage == "eval":
+        from .stages import eval_overrides
 
-    try:
-        extra: dict = {}
-        if stage == "prep":
-            bad = [o for o in args.overrides if not o.startswith("cluster.")]
-            if bad:
-                raise SubmitError(f"override {bad[0]!r}: `submit prep` takes only cluster.* overrides")
-            # The jobs need only cluster/engine settings; a placeholder model makes the config valid.
-            cfg = load_submit_config(None, [*_PREP_MODEL, *args.overrides], args.resources)
-            cfg.cluster.nodes, cfg.cluster.tasks_per_node = 1, 1  # each array task is one process
-            check_cluster(cfg, cluster)
-            if args.tasks < 1:
-                raise SubmitError(f"--tasks: must be >= 1; got {args.tasks}")
-            if args.dry_run:
-                print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
-                return 0
-            cfgs, calls = _prep_calls(args, cfg)
-        elif stage == "eval":
-            from .stages import eval_overrides
-
-            bad = [o for o in args.overrides if not o.startswith(("cluster.", "engine.", "data."))]
-            if bad:
-                raise SubmitError(f"override {bad[0]!r}: `submit eval` takes its flags and cluster.*/engine.*/data.*")
-            cfg = load_submit_config(None, [*eval_overrides(args), *args.overrides], args.resources)
-            check_cluster(cfg, cluster)
-            check_stage_importable(stage, target)
-            _driver_check(args, cfg, cluster)
-            check_tracking([cfg], stage)
-            if args.dry_run:
-                print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
-                return 0
-            cfgs, calls = [cfg], [StageJob(stage, _cfg_dict(cfg), target=target)]
-        else:
-            base = load_submit_config(args.config, args.overrides, args.resources)
-            check_cluster(base, cluster)
-            check_stage_importable(stage, target)
-            sets = parse_sweep(args.sweep, args.sweep_file)
-            cfgs, envs = [base], [{}]
-            if sets:
-                sweep_id = f"{base.cluster.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
-                extra["sweep"] = sweep_id
-                cfgs, envs = [], []
-                for i, s in enumerate(sets):
-                    own_dir = any(o.startswith("run.dir=") for o in s)
-                    run_dir = [] if own_dir else [f"run.dir={base.run.dir}/{sweep_id}/{i}"]
-                    cfgs.append(load_submit_config(args.config, [*args.overrides, *s, *run_dir], args.resources))
-                    tags = {"sweep": sweep_id, "sweep_index": str(i), "sweep_overrides": " ".join(s)}
-                    envs.append({"VITP_MLFLOW_TAGS": json.dumps(tags, sort_keys=True)})
-            for c in cfgs:
-                check_data(c, stage)
-                check_run_dir(c, stage)
-            same_job(cfgs, sets)
-            _driver_check(args, base, cluster)
-            check_tracking(cfgs, stage)
-            if args.dry_run:
-                print(json.dumps(slurm_parameters(cfgs[0]), indent=1, sort_keys=True))
-                return 0
-            calls = [StageJob(stage, _cfg_dict(c), env=e, target=target) for c, e in zip(cfgs, envs)]
-    except (ConfigError, SubmitError, FileNotFoundError) as e:
-        print_error(e)
-        return 2
+        bad = [o for o in args.overrides if not o.startswith(("cluster.", "engine.", "data."))]
+        if bad:
+            raise SubmitError(f"override {bad[0]!r}: `submit eval` takes its flags and cluster.*/engine.*/data.*")
+        cfg = load_submit_config(None, [*eval_overrides(args), *args.overrides], args.resources, stage)
+        check_cluster(cfg, cluster)
+        check_stage_importable(stage, target)
+        _driver_check(args, cfg, cluster)
+        check_tracking([cfg], stage)
+        if args.dry_run:
+            print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
+            return 0
+        cfgs, calls = [cfg], [StageJob(stage, _cfg_dict(cfg), target=target)]
+    else:
+        base = load_submit_config(args.config, args.overrides, args.resources)
+        check_cluster(base, cluster)
+        check_stage_importable(stage, target)
+        sets = parse_sweep(args.sweep, args.sweep_file)
+        cfgs, envs = [base], [{}]
+        if sets:
+            sweep_id = f"{base.cluster.job_name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+            extra["sweep"] = sweep_id
+            cfgs, envs = [], []
+            for i, s in enumerate(sets):
+                own_dir = any(o.startswith("run.dir=") for o in s)
+                run_dir = [] if own_dir else [f"run.dir={base.run.dir}/{sweep_id}/{i}"]
+                cfgs.append(load_submit_config(args.config, [*args.overrides, *s, *run_dir], args.resources))
+                tags = {"sweep": sweep_id, "sweep_index": str(i), "sweep_overrides": " ".join(s)}
+                envs.append({"VITP_MLFLOW_TAGS": json.dumps(tags, sort_keys=True)})
+        for c in cfgs:
+            check_data(c, stage)
+            check_run_dir(c, stage)
+        same_job(cfgs, sets)
+        _driver_check(args, base, cluster)
+        check_tracking(cfgs, stage)
+        if args.dry_run:
+            print(json.dumps(slurm_parameters(cfgs[0]), indent=1, sort_keys=True))
+            return 0
+        calls = [StageJob(stage, _cfg_dict(c), env=e, target=target) for c, e in zip(cfgs, envs)]
     if getattr(args, "preflight", False):  # the same resources for every sweep point (same_job)
         rc = run_preflight(cfgs[0], cluster)
         if rc:

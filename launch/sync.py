@@ -10,8 +10,6 @@ kept), 2 a usage error.
 
 from __future__ import annotations
 
-import sys
-
 
 def sync_main(argv: list[str]) -> int:
     from launch.cli import parser_for, print_error
@@ -25,18 +23,14 @@ def sync_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from pipeline.tracking.mlflow_sink import SPOOL, MlflowSink
 
-    try:
-        res = MlflowSink.sync(args.run_dir, uri=args.uri, timeout=args.timeout)
-    except (FileNotFoundError, ValueError) as e:
-        print_error(e)
-        return 2
+    res = MlflowSink.sync(args.run_dir, uri=args.uri, timeout=args.timeout)
     if not res["delivered"] and not res["left"]:
         print(f"{args.run_dir}: nothing to sync (no {SPOOL})")
         return 0
     runs = ", ".join(f"{rid} ({status})" for rid, status in sorted(res["runs"].items())) or "none"
     print(f"delivered {res['delivered']} records to {res['uri']}; runs: {runs}")
     if res["left"]:
-        print(f"error: {res['left']} records not delivered ({res['error']}); they stay in "
-              f"{args.run_dir}/{SPOOL}: run `vitp sync {args.run_dir}` again", file=sys.stderr)
+        print_error(f"{res['left']} records not delivered ({res['error']}); they stay in "
+                    f"{args.run_dir}/{SPOOL}: run `vitp sync {args.run_dir}` again")
         return 1
     return 0

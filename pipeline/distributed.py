@@ -14,6 +14,7 @@ care which one started them.
   :func:`wait_for_rank0`, a wait on the rendezvous store with a long timeout, so the NCCL watchdog
   never sees a rank parked inside a collective. Everything else that connects (the groups, the
   gloo side group) fails within engine.dist_timeout_s.
+- A stage sets its process up with one call, :func:`setup` (accelerator, rendezvous, group, device).
 - Gloo binds to the interface that routes to MASTER_ADDR (:func:`choose_gloo_interface`), not to
   whatever the hostname resolves to on a multi-NIC node.
 """
@@ -379,10 +380,10 @@ def leave_process_group() -> None:
     """
     import torch.distributed as dist
 
-    global _SIDE_GROUP, _COMM_DEVICE, _WAITS
+    global _SIDE_GROUP, _COMM_DEVICE, _WAITS, _ACCELERATOR
     if dist.is_initialized():
         dist.destroy_process_group()
-    _SIDE_GROUP = _COMM_DEVICE = None
+    _SIDE_GROUP = _COMM_DEVICE = _ACCELERATOR = None
     _WAITS = 0
 
 
@@ -450,6 +451,33 @@ def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300
             f"rank {d.rank}/{d.world_size}: rendezvous at {where} failed after {timeout_s:g}s "
             f"{who} ({first[:300]}){nic}; engine.dist_timeout_s sets the limit") from None
     return True
+
+
+_ACCELERATOR = None  # what setup() chose for this process while its group lives
+
+
+def setup(cfg, *, gpus_asked: int = 0) -> str:
+    """This process's one setup for a stage: decide the accelerator on this node, read rank/world/
+    master from the environment (a launcher's or SLURM's; engine.master_addr/master_port under SLURM
+    alone), export them for DeepSpeed, and join the process group (a group of one for a single
+    process: DeepSpeed needs one); returns 'cuda' or 'cpu'.
+
+    ``gpus_asked``: the GPUs a submitted job asked SLURM for (cluster.gpus_per_node): the job holds the
+    node to them (CUDA not usable is then an AcceleratorError); a process started by hand runs on what
+    it finds. Idempotent: while the group lives, later calls return the first choice and change
+    nothing (a second export would undo the device binding of per-task GPUs, bind_local_rank).
+    """
+    global _ACCELERATOR
+    import torch.distributed as dist
+
+    if _ACCELERATOR is not None and dist.is_initialized():
+        return _ACCELERATOR
+    kind = choose_accelerator(cfg.engine.backend, gpus_asked)
+    d = dist_env(master_addr=cfg.engine.master_addr, master_port=cfg.engine.master_port)
+    export_env(d)
+    init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
+    _ACCELERATOR = kind
+    return kind
 
 
 WAIT_FOR_RANK0_S = 24 * 3600  # rank 0 alone converts or consolidates a checkpoint: minutes to hours

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import Config, ConfigError, flatten
+from pipeline.config import ConfigError, EvalConfig, flatten
 from pipeline.data import DataError, dataset_inputs, read_info
-from pipeline.distributed import choose_accelerator, comm_device, dist_env, export_env, init_process_group
+from pipeline.distributed import comm_device, rank_world, setup
 from pipeline.eval.classify import evaluate_model, write_results
 from pipeline.tracking import Sinks
 from pipeline.tracking.setup import configured_sinks, start_mlflow
@@ -72,7 +72,7 @@ def default_out(checkpoint: str) -> Path:
     return c if c.is_dir() else Path(f"eval_{c.stem}")
 
 
-def evaluate(cfg: Config) -> EvalResult:
+def evaluate(cfg: EvalConfig) -> EvalResult:
     e = cfg.eval
     if not e.checkpoint:
         raise ConfigError("eval.checkpoint: give the run directory or weights file to evaluate")
@@ -83,17 +83,12 @@ def evaluate(cfg: Config) -> EvalResult:
             read_info(cfg.data.path).split(split)
         except DataError as err:
             raise FileNotFoundError(str(err)) from None
-    d = dist_env(master_addr=cfg.engine.master_addr, master_port=cfg.engine.master_port)
-    kind = choose_accelerator(cfg.engine.backend)  # a submitted job's GPU request is checked at job start
-    if d.world_size > 1:
-        export_env(d)
-        init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
-        device = comm_device()
-    else:
-        device = torch.device(kind)
+    setup(cfg)  # a submitted job's GPU request is checked at job start (launch/preempt.py)
+    device = comm_device()
+    rank, world = rank_world()
     model = load_model(e.checkpoint, variant=e.variant, img_size=e.img_size).to(device)
     out_dir = Path(e.out) if e.out else default_out(e.checkpoint)
-    tracker, parent = _start_tracking(cfg, out_dir, d.rank, d.world_size)
+    tracker, parent = _start_tracking(cfg, out_dir, rank, world)
     try:
         res = evaluate_model(model, cfg.data, split=e.split, batch=e.batch, device=device, classify_split=e.top1,
                              fewshot_cfg=e if e.fewshot else None, linear_probe=e.linear_probe, out_dir=out_dir,
@@ -105,7 +100,7 @@ def evaluate(cfg: Config) -> EvalResult:
     text = res.pop("fewshot_text", None)
     metrics = {k: v for k, v in res.items() if isinstance(v, float)}
     path = None
-    if d.rank == 0:
+    if rank == 0:
         path = str(write_results({f"eval/{k}": v for k, v in res.items()}, out_dir))
         tracker.log(metrics, parent.step)
         for a in res.get("artifacts", []):
@@ -118,7 +113,7 @@ def evaluate(cfg: Config) -> EvalResult:
     return EvalResult("completed", metrics, path, text, tracker.run_id, parent.run_id)
 
 
-def _start_tracking(cfg: Config, out_dir: Path, rank: int, world: int) -> tuple[Sinks, EvaluatedRun]:
+def _start_tracking(cfg: EvalConfig, out_dir: Path, rank: int, world: int) -> tuple[Sinks, EvaluatedRun]:
     """The evaluation's run (rank 0): under the evaluated run when there is one; else top-level when
     $MLFLOW_TRACKING_URI is set; else none. Plus the tracking.sinks, on rank 0."""
     e, parent = cfg.eval, evaluated_run(cfg.eval.checkpoint)

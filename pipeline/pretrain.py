@@ -10,14 +10,14 @@ ranks at a step boundary, checkpointed and returned as status "stopped".
 from __future__ import annotations
 
 from pipeline.config import Config
+from pipeline.distributed import setup
 from pipeline.rundir import own_run_dir
-from pipeline.train.engine import init_distributed
 from pipeline.train.loop import Result, train
 from pipeline.weights import build_model
 
 
 def pretrain(cfg: Config) -> Result:
-    init_distributed(cfg)
+    setup(cfg)
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
         result = train(cfg, lambda num_classes: build_model(cfg, num_classes), stage="pretrain")
         claim.finished = result.status == "completed"

@@ -19,10 +19,10 @@ import torch
 
 from pipeline.config import Config, ConfigError
 from pipeline.data.loader import check_splits
-from pipeline.distributed import rank0_print
+from pipeline.distributed import rank0_print, setup
 from pipeline.eval.classify import evaluate_model, write_results
 from pipeline.rundir import own_run_dir
-from pipeline.train.engine import init_distributed, param_groups_layer_decay
+from pipeline.train.engine import param_groups_layer_decay
 from pipeline.train.loop import Finished, Result, train
 from pipeline.weights import build_from_source, load_model, source_lineage
 
@@ -74,7 +74,7 @@ def transfer(cfg: Config) -> Result:
         rank0_print(f"transfer: val {shown}  -> {path}")
 
     check_splits(cfg.data.path, {"data.val_split": cfg.data.val_split or "val"})  # publish scores it
-    init_distributed(cfg)
+    setup(cfg)
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
         result = train(cfg, build, stage="transfer", finish=publish,
                        param_groups=lambda m: param_groups_layer_decay(m, cfg.optim.layer_decay,

@@ -22,8 +22,6 @@ same collectives' shape and shards the optimizer.
 
 from __future__ import annotations
 
-import dataclasses
-
 from pipeline.plan.cost import step_time
 from pipeline.plan.memory import GiB, ModelShape, memory_per_rank
 
@@ -31,9 +29,9 @@ STAGES = (1, 2, 3)
 
 
 def _variant(cfg, stage: int, checkpointing: bool):
-    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, zero_stage=stage, offload_optimizer=False,
-                                                               offload_params=False),
-                               model=dataclasses.replace(cfg.model, grad_checkpointing=checkpointing))
+    engine = cfg.engine.model_copy(update={"zero_stage": stage, "offload_optimizer": False, "offload_params": False})
+    model = cfg.model.model_copy(update={"grad_checkpointing": checkpointing})
+    return cfg.model_copy(update={"engine": engine, "model": model})
 
 
 def options(cfg, shape: ModelShape, *, backend: str = "cuda", headroom: float = 0.0) -> list[dict]:

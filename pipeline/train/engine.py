@@ -22,7 +22,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed import comm_device
+from pipeline.distributed import comm_device, setup
 
 
 def _deepspeed():
@@ -31,7 +31,7 @@ def _deepspeed():
     DeepSpeed picks its accelerator when it is first imported, from DS_ACCELERATOR: importing it at
     module level would fix the accelerator wherever a stage module is merely imported (the login
     node that submits), and sbatch would carry that choice to the GPU nodes. The stage decides it on
-    the node (:func:`init_distributed`) before the first import here.
+    the node (:func:`pipeline.distributed.setup`) before the first import here.
     """
     import deepspeed
 
@@ -42,23 +42,6 @@ def _deepspeed():
 def _on_gpu() -> bool:
     """This run trains on a GPU: the accelerator the node chose, not merely one that exists."""
     return comm_device().type == "cuda"
-
-
-def init_distributed(cfg) -> str:
-    """Decide the accelerator on this node, join the process group; returns 'cuda' or 'cpu'.
-
-    Rank/world/master come from the environment; a single process gets a 1-rank group (DeepSpeed
-    needs one). Idempotent.
-    """
-    from pipeline.distributed import choose_accelerator, dist_env, export_env, init_process_group
-
-    # cluster.gpus_per_node is what a submitted job asked SLURM for: the job entry (launch/preempt.py)
-    # holds the node to it; a process started here by hand runs on what it finds
-    kind = choose_accelerator(cfg.engine.backend)
-    d = dist_env(master_addr=cfg.engine.master_addr, master_port=cfg.engine.master_port)
-    export_env(d)
-    init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
-    return kind
 
 
 def grad_accumulation(cfg, world_size: int) -> int:
@@ -200,7 +183,7 @@ def build_engine(model: torch.nn.Module, cfg, param_groups: list[dict] | None = 
     param_groups: torch-style groups; an optional ``lr_scale`` key multiplies the lr that
     :func:`set_lr` sets (layer-wise lr decay). Default: AdamW-style decay / no-decay groups.
     """
-    init_distributed(cfg)
+    setup(cfg)
     if cfg.model.grad_checkpointing and hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)
     compile_blocks(model, cfg)

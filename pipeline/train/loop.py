@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +32,7 @@ from pipeline import data as data_lib
 from pipeline.config import Config, flatten, to_yaml, write_resolved
 from pipeline.data.loader import check_splits
 from pipeline.data.mixing import Mixer
-from pipeline.distributed import all_reduce, broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
+from pipeline.distributed import all_reduce, broadcast_from_rank0, rank0_print, rank_world, setup, wait_for_rank0
 from pipeline.eval.classify import classify, classify_multilabel
 from pipeline.eval.figures import loss_curve_png
 from pipeline.tracking import METRICS, JsonlSink, Sinks
@@ -77,7 +77,6 @@ class Finished:
     result: Result
     rank: int
     world: int
-    metrics: dict = field(default_factory=dict)  # finish may add final metrics (rank 0's count)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -256,7 +255,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     """
     from pipeline.weights import load_checkpoint_weights, save_weights
 
-    eng_lib.init_distributed(cfg)
+    setup(cfg)
     rank, world = rank_world()
     run_dir = Path(cfg.run.dir)
     resume_from = prepare_run_dir(cfg, rank)

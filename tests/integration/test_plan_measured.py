@@ -69,14 +69,14 @@ def _worker(stage: int, out: str) -> None:
     """One rank: baseline RSS, build the model + the pipeline's DeepSpeed engine, 2 steps, peak RSS."""
     import torch
 
-    from pipeline.distributed import leave_process_group
+    from pipeline.distributed import leave_process_group, setup
     from pipeline.model.vit import build_vit
     from pipeline.train import engine as eng
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
     cfg = _cfg(stage)
-    eng.init_distributed(cfg)
+    setup(cfg)
     _warm_up(cfg)
     base = _rss_kb("VmRSS")
     m = cfg.model

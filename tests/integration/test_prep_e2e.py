@@ -22,7 +22,7 @@ KW = dict(max_samples_per_shard=5, resize_shorter=48, progress=False, seed=7)
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "data_prep.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=300)
 
 

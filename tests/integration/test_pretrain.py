@@ -354,6 +354,7 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, mlflow_server, capfd):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_consolidated_weights_and_export(reference, tmp_path, stage):
     """model.safetensors == the fp32 weights joined from the ZeRO files; timm export renames only."""
+    from launch.cli import run_command
     from launch.stages import export_main
     from pipeline.model import build_vit, vitp_to_timm
     from pipeline.weights import load_checkpoint_weights
@@ -369,7 +370,7 @@ def test_consolidated_weights_and_export(reference, tmp_path, stage):
     exported = load_file(str(out))
     assert all(torch.equal(exported[k], final[k]) for k in final)
     # timm's ViT has no pre-logits layer: the tiny recipe (representation_size=64) is refused clearly
-    assert export_main([str(d), "--format", "timm", str(tmp_path / "t.safetensors")]) == 2
+    assert run_command(export_main, [str(d), "--format", "timm", str(tmp_path / "t.safetensors")]) == 2
     without = {k: v for k, v in final.items() if not k.startswith("pre_logits.")}
     assert vitp_to_timm(without).keys() == without.keys()  # the names timm uses are ours
 

@@ -7,7 +7,6 @@ import io
 import itertools
 import random
 import warnings
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +20,11 @@ from pipeline.data.mixing import Mixer
 from tests.unit.test_data_shards import image_bytes, label_of, write_dataset
 
 SIZES = [3, 9, 5, 12, 11]  # 40 samples in 5 uneven shards
+
+
+def replace(cfg, **changes):
+    """A copy of a config section with ``changes``, validated as an override would be."""
+    return type(cfg).model_validate({**cfg.model_dump(), **changes})
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from launch.cli import run_command
 from launch.stages import plan_main
 from pipeline.plan import cost as P
 
@@ -126,7 +127,7 @@ def test_cli_json(capsys):
     (["--dataset-size", "0"], "--dataset-size: must be >= 1"),
 ])
 def test_cli_impossible_inputs_one_line_exit_2(capsys, overrides, msg):
-    rc = plan_main(["--config", CFG.format("tiny_cpu"), *overrides])
+    rc = run_command(plan_main, ["--config", CFG.format("tiny_cpu"), *overrides])
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and msg in err

@@ -94,6 +94,7 @@ SUBMIT = ["pretrain", "--config", TINY, "--cluster", "local", "data.path=synthet
 
 
 def test_dry_run_checks_every_sweep_task_prints_sbatch_parameters_and_submits_nothing(tmp_path, capsys):
+    from launch.cli import run_command
     from launch.submit import submit_main
 
     jobs, run = tmp_path / "jobs", tmp_path / "run"
@@ -103,12 +104,12 @@ def test_dry_run_checks_every_sweep_task_prints_sbatch_parameters_and_submits_no
     want = slurm_parameters(load_submit_config(TINY, ["data.path=synthetic", "cluster.tasks_per_node=1", *where]))
     assert printed == want and printed["tasks_per_node"] == 1 and printed["nodes"] == 1
     # one bad task in the sweep fails the whole submission, before anything is queued
-    assert submit_main([*SUBMIT, *where, "--dry-run", "--sweep", "train.micro_batch=16,7"]) == 2
+    assert run_command(submit_main, [*SUBMIT, *where, "--dry-run", "--sweep", "train.micro_batch=16,7"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: train.global_batch: 32 is not divisible") and len(err.splitlines()) == 1
     assert not jobs.exists() and not run.exists()  # no index, no job folder, no run dir
     # an array shares one set of sbatch parameters: a point that changes them is refused, by name
-    assert submit_main([*SUBMIT, *where, "--dry-run", "--sweep", "cluster.time_min=30,60"]) == 2
+    assert run_command(submit_main, [*SUBMIT, *where, "--dry-run", "--sweep", "cluster.time_min=30,60"]) == 2
     err = capsys.readouterr().err
     assert err == ("error: --sweep: point 'cluster.time_min=60' changes the job's timeout_min (30 -> 60); an array "
                    "job has one set of sbatch parameters, submit it separately\n")

@@ -1,0 +1,413 @@
+"""The config schema: each section a pydantic model that checks its fields (YAML's types as they are,
+ranges) and its own combinations; each stage's root (:class:`Config`, :class:`EvalConfig`,
+:class:`PrepConfig`) holds the sections that stage reads and checks what spans them (:func:`validate`).
+A refused value raises a pydantic ValidationError whose first error pipeline/config/loading.py turns
+into the one :class:`ConfigError` line naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic_core import PydanticCustomError
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message is one line naming the key."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Field types: YAML's values, taken as they are (no "3" for 3, no 1 for true)
+# --------------------------------------------------------------------------------------------------
+def _refuse(what: str, value: Any):
+    return PydanticCustomError("vitp_type", "expected {what}, got {got}", {"what": what, "got": repr(value)})
+
+
+def _int(v):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _refuse("an integer", v)
+    return v
+
+
+def _float(v):
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str):  # PyYAML reads "3e-4" as a string (YAML 1.1)
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    raise _refuse("a number", v)
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise _refuse("true or false", v)
+    return v
+
+
+def _str(v):
+    if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+        return str(v)
+    raise _refuse("a string", v)
+
+
+def _list(v):
+    if not isinstance(v, (list, tuple)):
+        raise _refuse("a list", v)
+    return list(v)
+
+
+def _mapping(v):
+    if not isinstance(v, dict):
+        raise _refuse("a mapping", v)
+    return {str(k): x for k, x in v.items()}
+
+
+Int = Annotated[int, BeforeValidator(_int)]
+Float = Annotated[float, BeforeValidator(_float)]
+Bool = Annotated[bool, BeforeValidator(_bool)]
+Str = Annotated[str, BeforeValidator(_str)]
+
+
+def one_of(*choices: str):
+    """A string field that takes one of ``choices``."""
+    def check(v):
+        if v not in choices:
+            raise PydanticCustomError("vitp_choice", "must be one of {choices}; got {got}",
+                                      {"choices": ", ".join(choices), "got": repr(v)})
+        return v
+
+    return Annotated[Literal[choices], BeforeValidator(check)]
+
+
+def List(item):  # noqa: N802 (a type)
+    return Annotated[list[item], BeforeValidator(_list)]
+
+
+def _problem(message: str) -> PydanticCustomError:
+    """A combination a validator refuses; ``message`` already names the key."""
+    return PydanticCustomError("vitp_check", "{message}", {"message": message})
+
+
+class Section(BaseModel):
+    """A config section: unknown keys refused, fields addressed by their YAML names."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+class RunCfg(Section):
+    dir: Str = "runs/default"  # checkpoints, resolved config, metrics.jsonl, logs
+    name: Str = ""  # MLflow run name; defaults to the run dir's name
+    fresh: Bool = False  # start over even if run.dir holds a checkpoint (explicit, never implied)
+
+
+def _variant_patch(name: str | None) -> int | None:
+    """Patch size encoded in a variant name ("vit_b16" → 16, "vit_h14" → 14)."""
+    if not name:
+        return None
+    digits = "".join(ch for ch in name.split("_")[-1] if ch.isdigit())
+    return int(digits) if digits else None
+
+
+class ModelCfg(Section):
+    name: Str | None = None  # a variant such as "vit_b16"; explicit dims below override it
+    width: Int | None = Field(None, ge=1)
+    depth: Int | None = Field(None, ge=1)
+    heads: Int | None = Field(None, ge=1)
+    mlp_dim: Int | None = Field(None, ge=1)
+    patch: Int | None = Field(None, ge=1)
+    img_size: Int = Field(224, ge=1)
+    num_classes: Int = Field(0, ge=0)  # 0: take it from the dataset's classes.json
+    pool: one_of("token", "gap") = "token"
+    class_token: Bool = True
+    representation_size: Int | None = Field(None, ge=1)  # the paper's pre-training tanh layer
+    dropout: Float = Field(0.0, ge=0.0, le=1.0)
+    attn_dropout: Float = Field(0.0, ge=0.0, le=1.0)
+    drop_path: Float = Field(0.0, ge=0.0, le=1.0)
+    grad_checkpointing: Bool = False
+    patch_drop: Float = Field(0.0, ge=0.0)  # fraction of patch tokens dropped per training image (< 1); 0: off
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.name is None and None in (self.width, self.depth, self.heads, self.mlp_dim, self.patch):
+            raise _problem("model: give model.name (e.g. vit_b16) or all of width, depth, heads, mlp_dim, patch")
+        patch = self.patch if self.patch is not None else _variant_patch(self.name)
+        if patch and self.img_size % patch:
+            raise _problem(f"model.img_size: {self.img_size} is not divisible by the patch size {patch}")
+        if self.width and self.heads and self.width % self.heads:
+            raise _problem(f"model.heads: width {self.width} is not divisible by {self.heads} heads")
+        if not self.class_token and self.pool == "token":
+            raise _problem("model.pool: 'token' pooling needs model.class_token=true (use pool=gap)")
+        if self.patch_drop >= 1:
+            raise _problem(f"model.patch_drop: a fraction of patches in [0, 1) (0 = off); got {self.patch_drop}")
+        return self
+
+
+class DataCfg(Section):
+    path: Str = ""  # a `vitp prep` output folder (holds _info.json)
+    train_split: Str = "train"
+    val_split: Str | None = "val"
+    workers: Int = Field(2, ge=0)
+    shuffle_buffer: Int = Field(1000, ge=0)
+    resampled: Bool = False  # sample shards with replacement (pre-training at scale)
+    crop_scale: List(Float) = Field(default_factory=lambda: [0.08, 1.0])
+    hflip: Bool = True
+    randaugment: Str | None = None  # timm string, e.g. "rand-m9-mstd0.5"
+    mixup: Float = Field(0.0, ge=0.0)
+    cutmix: Float = Field(0.0, ge=0.0)
+    label_smoothing: Float = Field(0.0, ge=0.0, le=1.0)
+    eval_crop_pct: Float = Field(1.0, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _crop(self):
+        s = self.crop_scale
+        if len(s) != 2 or not 0 < s[0] <= s[1] <= 1:
+            raise _problem(f"data.crop_scale: need [lo, hi] with 0 < lo <= hi <= 1; got {s}")
+        return self
+
+
+class OptimCfg(Section):
+    name: one_of("adamw", "sgd") = "adamw"
+    lr: Float = Field(1e-3, gt=0)
+    weight_decay: Float = Field(0.1, ge=0.0)
+    betas: List(Float) = Field(default_factory=lambda: [0.9, 0.999])
+    eps: Float = Field(1e-8, gt=0)
+    momentum: Float = Field(0.9, ge=0.0, le=1.0)
+    clip_grad: Float = Field(1.0, ge=0.0)  # global-norm clipping; 0 disables
+    layer_decay: Float | None = Field(None, gt=0.0, le=1.0)
+    ema: Float | None = Field(None, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _betas(self):
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise _problem(f"optim.betas: need two values in [0, 1); got {self.betas}")
+        return self
+
+
+class ScheduleCfg(Section):
+    warmup_steps: Int = Field(0, ge=0)
+    decay: one_of("cosine", "linear", "constant") = "cosine"
+    end_lr: Float = Field(0.0, ge=0.0)
+
+
+class TrainCfg(Section):
+    steps: Int = Field(100, ge=1)
+    global_batch: Int = Field(64, ge=1)
+    micro_batch: Int = Field(32, ge=1)  # per rank; accumulation = global / (world * micro)
+    loss: one_of("softmax", "sigmoid") = "softmax"
+    log_every: Int = Field(10, ge=1)
+    eval_every: Int = Field(0, ge=0)  # 0: only at the end
+    fewshot_every: Int = Field(0, ge=0)  # few-shot evaluators (eval.fewshot_data); 0: only at the end
+    compile: Bool | None = None  # torch.compile each block; None: on GPUs, off on CPU (it does not pay there)
+    patch_drop_until: Int | None = Field(None, ge=0)  # steps after this one see every patch; None: drop to the end
+
+    @model_validator(mode="after")
+    def _batch(self):
+        if self.micro_batch > self.global_batch:
+            raise _problem(f"train.micro_batch: {self.micro_batch} is larger than train.global_batch "
+                           f"{self.global_batch}")
+        return self
+
+    def check_world(self, world_size: int) -> None:
+        """The global batch splits into equal micro batches over ``world_size`` ranks."""
+        if self.global_batch % (world_size * self.micro_batch):
+            raise ConfigError(f"train.global_batch: {self.global_batch} is not divisible by world size "
+                              f"{world_size} x train.micro_batch {self.micro_batch}")
+
+
+class EngineCfg(Section):
+    precision: one_of("fp32", "bf16", "fp16") = "fp32"
+    zero_stage: Int = Field(1, ge=0, le=3)
+    offload_optimizer: Bool = False
+    offload_params: Bool = False
+    backend: one_of("auto", "nccl", "gloo") = "auto"
+    dist_timeout_s: Int = Field(300, ge=1)  # a rank that never arrives fails after this
+    # The rendezvous of a SLURM job: by default the allocation's first node and a port derived from
+    # the job id. MASTER_ADDR/MASTER_PORT in the environment are ignored there (sbatch exports the
+    # submitting shell's, stale for this allocation): set these to choose.
+    master_addr: Str = ""
+    master_port: Int = Field(0, ge=0, le=65535)  # 0: derived from the job id
+
+    @model_validator(mode="after")
+    def _engine(self):
+        if any(c.isspace() or c in "/@" for c in self.master_addr):  # a host name or an IPv4/IPv6 address
+            raise _problem(f"engine.master_addr: expected a host name or address, got {self.master_addr!r}")
+        if 0 < self.master_port < 1024:
+            raise _problem(f"engine.master_port: must be 0 (derived) or 1024-65535; got {self.master_port}")
+        if self.offload_params and self.zero_stage != 3:
+            raise _problem(f"engine.offload_params: needs engine.zero_stage=3; got {self.zero_stage}")
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise _problem("engine.offload_optimizer: needs engine.zero_stage >= 1")
+        return self
+
+
+class CheckpointCfg(Section):
+    every: Int = Field(0, ge=0)  # 0: only at the end (and on preemption)
+    keep: Int = Field(2, ge=1)
+
+
+class TrackingCfg(Section):
+    enabled: Bool = True
+    uri: Str | None = None  # None: $MLFLOW_TRACKING_URI, else a SQLite store under run.dir
+    experiment: Str = "vitp"
+    register_name: Str | None = None  # Model Registry name for the final model
+    flush_every_s: Float = Field(2.0, gt=0)
+    # at the end of a run, how long to wait for an unreachable server before spooling what is left
+    # (then `vitp sync RUN_DIR` delivers it); a stopped (requeued) job waits at most 10 s
+    close_timeout_s: Float = Field(120.0, ge=0.0)
+    system_metrics: Bool = True  # CPU, memory, disk, network, GPU (NVML) as system/... on rank 0
+    system_metrics_every_s: Float = Field(10.0, gt=0)
+    # more places for rank 0's records, besides metrics.jsonl and MLflow: "package.module:Class", a
+    # pipeline.tracking.Sink subclass built as Class(run_dir)
+    sinks: List(Str) = Field(default_factory=list)
+
+
+class HardwareCfg(Section):
+    peak_tflops: Float = Field(989.0, gt=0)  # per device, for MFU (H100 SXM bf16 dense)
+    device_mem_gb: Float = Field(80.0, gt=0)
+    intra_node_gbps: Float = Field(450.0, gt=0)  # GB/s per GPU (NVLink)
+    inter_node_gbps: Float = Field(50.0, gt=0)  # GB/s per GPU (InfiniBand 400 Gb/s)
+    assumed_mfu: Float = Field(0.5, gt=0.0, le=1.0)
+
+
+class ClusterCfg(Section):
+    nodes: Int = Field(1, ge=1)
+    tasks_per_node: Int = Field(1, ge=1)  # one task per GPU
+    gpus_per_node: Int = Field(0, ge=0)
+    cpus_per_task: Int = Field(1, ge=1)
+    mem_gb: Float | None = Field(None, gt=0)
+    time_min: Int = Field(60, ge=1)
+    partition: Str | None = None
+    account: Str | None = None
+    qos: Str | None = None
+    constraint: Str | None = None
+    exclusive: Bool = False
+    extra_sbatch: Annotated[dict[str, Str], BeforeValidator(_mapping)] = Field(default_factory=dict)
+    job_name: Str = "vitp"
+    log_dir: Str = "runs/jobs"
+    signal_delay_s: Int = Field(120, ge=0)  # SIGUSR2 this long before the time limit
+    max_requeues: Int = Field(3, ge=0)  # time-limit requeues (USR2); preemptions are not counted
+    max_failures: Int = Field(2, ge=0)  # attempts that failed (a rank died or raised) requeued before giving up
+
+
+class InitCfg(Section):
+    from_: Str | None = Field(None, alias="from")  # transfer source: checkpoint dir, safetensors, timm .pth, JAX .npz
+    posemb_mode: one_of("bicubic", "bilinear") = "bicubic"
+    keep_representation: Bool = False
+
+
+def fewshot_sets(entries: list[str]) -> list[tuple[str, str]]:
+    """eval.fewshot_data entries -> (name, folder): ``NAME=PATH``, or the folder's own name."""
+    return [tuple(e.split("=", 1)) if "=" in e else (Path(e.rstrip("/")).name, e) for e in entries]
+
+
+class EvalCfg(Section):
+    fewshot_shots: List(Int) = Field(default_factory=lambda: [1, 5, 10, 25])
+    fewshot_seeds: Int = Field(3, ge=1)
+    fewshot_l2: Float = Field(1.0, gt=0)  # ridge regulariser (the paper searches it)
+    linear_probe: Bool = False
+    batch: Int = Field(64, ge=1)
+    # [NAME=]`vitp prep` folders (train + test splits) scored while training
+    fewshot_data: List(Str) = Field(default_factory=list)
+    # the evaluation stage (`vitp eval`, `vitp submit eval`); data.path names the dataset
+    checkpoint: Str | None = None  # run dir, checkpoint folder or weights file
+    split: Str = "val"  # the split scored; few-shot and the probe fit on data.train_split
+    top1: Bool = True  # score the model's own head
+    fewshot: Bool = False
+    variant: Str | None = None  # architecture of a weights file that does not say it, e.g. vit_b16
+    img_size: Int | None = Field(None, ge=1)  # evaluate at this resolution (pos-emb resampled)
+    max_train_images: Int | None = Field(None, ge=1)  # per rank, for few-shot / probe features
+    out: Str | None = None  # results.json and artifacts; default: the run dir, else ./eval_<name>
+
+    @model_validator(mode="after")
+    def _sets(self):
+        if any(s < 1 for s in self.fewshot_shots):
+            raise _problem(f"eval.fewshot_shots: shots must be >= 1; got {self.fewshot_shots}")
+        names = [n for n, _ in fewshot_sets(self.fewshot_data)]
+        if not all(re.fullmatch(r"[\w.-]+", n) for n in names) or len(set(names)) != len(names):
+            raise _problem(f"eval.fewshot_data: each set needs its own name of [A-Za-z0-9_.-] (metrics are "
+                           f"fewshot/<name>/...: the folder's, or NAME=PATH); got {self.fewshot_data}")
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# Stages: the sections each one reads
+# --------------------------------------------------------------------------------------------------
+class StageConfig(Section):
+    """A stage's root: its sections, and the checks that span them (the world size comes from the
+    validation context, see :func:`validate`)."""
+
+    @property
+    def world_size_planned(self) -> int:
+        return self.cluster.nodes * self.cluster.tasks_per_node
+
+    @model_validator(mode="after")
+    def _world(self, info: ValidationInfo):
+        try:
+            validate(self, world_size=(info.context or {}).get("world_size"))
+        except ConfigError as e:
+            raise _problem(str(e)) from None
+        return self
+
+
+class Config(StageConfig):
+    """Pre-training and fine-tuning (`vitp pretrain`, `vitp transfer`, `vitp config show`)."""
+
+    seed: Int = 0
+    run: RunCfg = Field(default_factory=RunCfg)
+    model: ModelCfg = Field(default_factory=ModelCfg)
+    data: DataCfg = Field(default_factory=DataCfg)
+    optim: OptimCfg = Field(default_factory=OptimCfg)
+    schedule: ScheduleCfg = Field(default_factory=ScheduleCfg)
+    train: TrainCfg = Field(default_factory=TrainCfg)
+    engine: EngineCfg = Field(default_factory=EngineCfg)
+    checkpoint: CheckpointCfg = Field(default_factory=CheckpointCfg)
+    tracking: TrackingCfg = Field(default_factory=TrackingCfg)
+    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
+    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
+    init: InitCfg = Field(default_factory=InitCfg)
+    eval: EvalCfg = Field(default_factory=EvalCfg)
+
+
+class EvalConfig(StageConfig):
+    """The evaluation stage (`vitp eval`, `vitp submit eval`): the model comes from the checkpoint."""
+
+    data: DataCfg = Field(default_factory=DataCfg)
+    eval: EvalCfg = Field(default_factory=EvalCfg)
+    engine: EngineCfg = Field(default_factory=EngineCfg)
+    tracking: TrackingCfg = Field(default_factory=TrackingCfg)
+    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
+    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
+
+
+class PrepConfig(StageConfig):
+    """`vitp submit prep`'s array tasks: where they run (the rest are prep's own flags)."""
+
+    engine: EngineCfg = Field(default_factory=EngineCfg)
+    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
+    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
+
+
+def world_size_from_env(cfg: StageConfig) -> int:
+    env = os.environ.get("WORLD_SIZE")
+    return int(env) if env else cfg.world_size_planned
+
+
+def validate(cfg: StageConfig, *, world_size: int | None = None) -> None:
+    """The checks that span sections, for ``world_size`` ranks (default: $WORLD_SIZE, else the
+    cluster section's nodes x tasks_per_node)."""
+    ws = world_size if world_size is not None else world_size_from_env(cfg)
+    if ws < 1:
+        raise ConfigError(f"world size must be >= 1; got {ws}")
+    if isinstance(cfg, Config):
+        cfg.train.check_world(ws)
+        if cfg.optim.ema is not None and cfg.engine.zero_stage == 3:
+            raise ConfigError("optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)")

@@ -1,0 +1,87 @@
+"""One error path for every command (launch/cli.run_command): a mistake is one `error: ...` line on
+stderr and exit 2; a run that failed is exit 1; each command's --help says its exit codes."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+from launch.cli import COMMANDS, EXIT_CODES, main, run_command
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
+TINY_FT = str(ROOT / "configs/transfer/tiny_cpu.yaml")
+
+# command -> (a bad input, the start of its one error line); the paths are relative to tmp_path
+BAD = {
+    "prep": (["missing-images", "out"], "error: missing-images: no such directory or manifest"),
+    "verify": (["out", "--workers", "0"], "error: --workers: must be >= 1; got 0"),
+    "pretrain": (["--config", TINY, "optim.lrr=1"], "error: optim.lrr: unknown key (did you mean 'optim.lr'?)"),
+    "transfer": (["--config", TINY_FT, "train.steps=0"], "error: train.steps: must be >= 1; got 0"),
+    "eval": (["--checkpoint", "run", "--data", "missing"], "error: --data missing: no such dataset folder"),
+    "export": (["missing-run", "w.safetensors"], "error: missing-run: no model.safetensors"),
+    "inspect": (["--checkpoint", "missing-run", "--out", "figs"], "error: init.from: missing-run: no such checkpoint"),
+    "plan": (["--config", TINY, "cluster.nodes=0"], "error: cluster.nodes: must be >= 1; got 0"),
+    "submit": (["pretrain", "--config", TINY, "--dry-run", "train.micro_batch=3"],
+               "error: train.global_batch: 32 is not divisible by world size"),
+    "preflight": (["--config", TINY, "--io-mb", "0"], "error: --io-mb >= 1"),
+    "jobs": (["--last", "0", "--log-dir", "jobs"], "error: --last: must be >= 1; got 0"),
+    "logs": (["123", "--log-dir", "jobs"], "error: job 123: not in jobs/index.jsonl (use --log-dir)"),
+    "cancel": (["123", "--log-dir", "jobs"], "error: job 123: not in jobs/index.jsonl (use --log-dir)"),
+    "sync": (["missing-run"], "error: missing-run: no such run directory"),
+    "demo": (["--data", "missing"], "error: --data missing: not a directory"),
+    "config": (["show", "--config", TINY, "engine.zero_stage=4"], "error: engine.zero_stage: must be <= 3; got 4"),
+}
+
+
+def test_every_command_has_a_bad_input_case():
+    assert set(BAD) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", sorted(BAD))
+def test_bad_input_is_one_line_and_exit_2(command, tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    argv, line = BAD[command]
+    assert main([command, *argv]) == 2
+    out, err = capfd.readouterr()
+    assert err.startswith(line) and err.count("\n") == 1, err
+    assert not (tmp_path / "figs").exists() and not (tmp_path / "w.safetensors").exists()  # nothing written
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_names_the_exit_codes(command, capsys):
+    argv = [command, "show", "--help"] if command == "config" else [command, "--help"]
+    try:
+        code = main(argv)  # `vitp submit --help` prints and returns
+    except SystemExit as e:  # argparse's --help
+        code = e.code
+    text = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and ("exit codes: 0 done" in text or "Exit status 0" in text), text
+    assert "2 a usage" in text, text
+
+
+def test_a_failed_run_exits_1_in_one_line(capfd):
+    from pipeline.train.loop import NonFiniteLoss
+
+    def fails(argv):
+        raise NonFiniteLoss("loss is nan at step 3")
+
+    assert run_command(fails, []) == 1
+    assert capfd.readouterr().err == "error: loss is nan at step 3\n"
+
+
+def test_a_bug_keeps_its_traceback():
+    def bug(argv):
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        run_command(bug, [])
+
+
+@pytest.mark.parametrize("module,name,code", EXIT_CODES)
+def test_exit_table_names_real_exception_classes(module, name, code):
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, Exception) and code in (1, 2)

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 from launch.attempts import append_event, count, read_events, retried
+from pipeline import faults
 from pipeline.distributed import (
     DistEnv,
     choose_accelerator,
@@ -278,10 +279,7 @@ class StageJob:
         choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)
         init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
 
-        if "VITP_TEST_PAUSE_AT_STEP" in os.environ:  # tests: hold every rank before the stage starts (step 0)
-            from pipeline.train.checkpoint import maybe_fault
-
-            maybe_fault("step", 0)
+        faults.hit("step", 0)  # tests may hold every rank here, before the stage starts
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
         result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
         leave_process_group()  # every rank returned; what follows synchronises through files

@@ -1,4 +1,4 @@
-"""The test-only pause gate in pipeline.train.checkpoint.maybe_fault: a real process held before a
+"""The test-only pause gate in pipeline.faults.hit: a real process held before a
 chosen step, a real signal delivered while it waits, released by the test's file."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys
 from launch.preempt import install_stop_handlers
-from pipeline.train import checkpoint, stopping
+from pipeline import faults
+from pipeline.train import stopping
 install_stop_handlers()
 for step in range(1, 5):
-    checkpoint.maybe_fault("step", step)
+    faults.hit("step", step)
     print(step, stopping.stop_reason(), flush=True)
 """
 

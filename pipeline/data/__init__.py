@@ -6,7 +6,7 @@
     module.EvalLoader(...)     each sample once over all ranks: (uint8 images, labels, valid mask)
     module.normalize(x)        uint8 on the device -> the model's input range
 
-shards.py reads tars and ``_info.json`` (its only parser); loader.py decodes and batches them;
+shards.py reads tars and ``_info.json`` (with data_prep.tar and .schema); loader.py decodes and batches them;
 augment.py holds the image transforms; synthetic.py is an in-memory set for tests and smoke runs.
 """
 

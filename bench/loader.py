@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -46,6 +45,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data_prep.schema import INFO_FILE, DatasetInfo, SplitShards  # noqa: E402
 from pipeline.config import DataCfg  # noqa: E402
 from pipeline.data.augment import TrainTransform, normalize, stack  # noqa: E402
 from pipeline.data.loader import TrainLoader, collate_as_is  # noqa: E402  (the loader's collate_fn)
@@ -89,9 +89,8 @@ def make_data(root: Path, n: int, shards: int, classes: int = 10) -> list[tuple[
                 (root / "folder" / f"c{label:02d}" / f"{i:06d}.jpg").write_bytes(data)
         files.append(name)
         lengths.append(len(idx))
-    info = {"splits": {"train": {"name": "train", "num_samples": n, "filenames": files, "shard_lengths": lengths}},
-            "num_classes": classes}
-    (root / "_info.json").write_text(json.dumps(info))
+    info = DatasetInfo({"train": SplitShards("train", tuple(files), tuple(lengths), n)}, num_classes=classes)
+    (root / INFO_FILE).write_text(info.to_json())
     return samples
 
 

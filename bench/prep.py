@@ -67,6 +67,7 @@ from data_prep.images import (  # noqa: E402
     resize_region,
     target_size,
 )
+from data_prep.schema import DatasetInfo  # noqa: E402
 
 SHORTER, QUALITY = 256, 90
 
@@ -278,8 +279,7 @@ def vitp_cli_run(manifest: Path, out: Path, workers: int) -> tuple[float, float,
     dt, dc = _timed([sys.executable, "-m", "launch.cli", "prep", str(manifest), str(out), "--workers",
                      str(workers), "--resize-shorter", str(SHORTER), "--quality", str(QUALITY),
                      "--max-samples-per-shard", "500", "--no-progress"])
-    info = json.loads((out / "_info.json").read_text())
-    return dt, dc, sum(s["num_samples"] for s in info["splits"].values())
+    return dt, dc, sum(s.num_samples for s in DatasetInfo.read(out).splits.values())
 
 
 def stored_images(out: Path, base: str) -> dict[str, bytes]:

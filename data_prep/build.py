@@ -24,13 +24,14 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
+from pipeline.files import atomic_write
+
 from .images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageOptions
-from .plan import atomic_write, build_plan, load_plan, plan_id, write_or_check_plan
+from .plan import build_plan, load_plan, plan_id, write_or_check_plan
+from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards
 from .shards import shard_done, stats_path, write_shards
 from .sources import list_source
 
-INFO_FILE = "_info.json"
-CLASSES_FILE = "classes.json"
 REJECTS_FILE = "rejects.jsonl"
 DEFAULT_MAX_SAMPLES_PER_SHARD = 5000
 
@@ -86,7 +87,7 @@ def prep(
     else:
         plan = build_plan(src, **kwargs)
     pid = write_or_check_plan(out, plan)
-    atomic_write(out / CLASSES_FILE, _json_bytes(plan["classes"]))
+    atomic_write(out / CLASSES_FILE, _json_bytes(plan["classes"]), fsync=True)
 
     shards = plan["shards"]
     start, stop = shard_range if shard_range is not None else (0, len(shards))
@@ -107,15 +108,15 @@ def prep(
         "samples_written": sum(s["count"] for s in written),
         "rejects_written": sum(len(s["rejected"]) for s in written),
         "complete": info is not None,
-        "num_samples": {k: v["num_samples"] for k, v in info["splits"].items()} if info else None,
-        "num_rejects": info["num_rejects"] if info else None,
-        "rejects_by_reason": info["rejects_by_reason"] if info else None,
+        "num_samples": {k: v.num_samples for k, v in info.splits.items()} if info else None,
+        "num_rejects": info.num_rejects if info else None,
+        "rejects_by_reason": info.rejects_by_reason if info else None,
         "seconds": round(seconds, 3),
         "images_per_s": round(n_written / seconds, 2) if seconds > 0 else 0.0,
     }
 
 
-def finalize(out: str | os.PathLike) -> dict | None:
+def finalize(out: str | os.PathLike) -> DatasetInfo | None:
     """Write rejects.jsonl and _info.json if every planned shard is complete; else return None.
 
     Safe to call from several SLURM tasks at once: all write the same bytes through atomic renames.
@@ -135,28 +136,18 @@ def finalize(out: str | os.PathLike) -> dict | None:
     splits = {}
     for name in plan["splits"]:
         mine = [(sh, st) for sh, st in zip(plan["shards"], stats) if sh["split"] == name]
-        splits[name] = {
-            "name": name,
-            "num_samples": sum(st["count"] for _, st in mine),
-            "filenames": [f"{sh['name']}.tar" for sh, _ in mine],
-            "shard_lengths": [st["count"] for _, st in mine],
-        }
-    # Layout read by timm's WebDataset reader (splits → name/num_samples/filenames/shard_lengths);
-    # no timings here, so a rerun gives the same bytes.
-    info = {
-        "format_version": 1,
-        "plan_id": pid,
-        "num_classes": len(plan["classes"]),
-        "multi_label": bool(plan.get("multi_label")),
-        "classes": plan["classes"],
-        "num_inputs": plan["num_inputs"],
-        "num_rejects": len(rejects),
-        "rejects_by_reason": dict(sorted(by_reason.items())),
-        "seed": plan["seed"],
-        "image_options": plan["image_options"],
-        "splits": splits,
-    }
+        splits[name] = SplitShards(name, filenames=tuple(f"{sh['name']}.tar" for sh, _ in mine),
+                                   shard_lengths=tuple(st["count"] for _, st in mine),
+                                   num_samples=sum(st["count"] for _, st in mine))
+    # no timings here, so a rerun gives the same bytes
+    info = DatasetInfo(
+        splits, num_classes=len(plan["classes"]), classes=tuple(plan["classes"]),
+        multi_label=bool(plan.get("multi_label")), plan_id=pid, num_inputs=plan["num_inputs"],
+        num_rejects=len(rejects), rejects_by_reason=dict(sorted(by_reason.items())), seed=plan["seed"],
+        image_options=plan["image_options"], format_version=FORMAT_VERSION, digest=pid,
+    )
     lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
-    atomic_write(out / REJECTS_FILE, lines.encode("utf-8"))
-    atomic_write(out / INFO_FILE, _json_bytes(info))  # last: its presence means the dataset is complete
+    atomic_write(out / REJECTS_FILE, lines.encode("utf-8"), fsync=True)
+    # last: its presence means the dataset is complete
+    atomic_write(out / INFO_FILE, info.to_json().encode("utf-8"), fsync=True)
     return info

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PIL import Image
 
-IMAGE_EXTS = ("jpg", "png", "webp")
+from .schema import CLASSES_FILE, IMAGE_EXTS, INFO_FILE, DatasetInfo, SchemaError, read_classes
 
 
 def _check_labels(where: str, meta: dict, cls: int, num_classes: int) -> list[str]:
@@ -31,7 +31,7 @@ def _check_sample(shard: str, key: str, members: dict[str, bytes], num_classes: 
     exts = sorted(members)
     images = [e for e in exts if e in IMAGE_EXTS]
     if len(images) != 1 or "cls" not in members or "json" not in members or len(exts) != 3:
-        return [f"{where}: members {exts}, expected cls + json + one of {'/'.join(IMAGE_EXTS)}"]
+        return [f"{where}: members {exts}, expected cls + json + one image ({'/'.join(sorted(IMAGE_EXTS))})"]
     problems = []
     data = members[images[0]]
     try:
@@ -87,24 +87,27 @@ def check_shard(path: str, num_classes: int, multi_label: bool = False) -> tuple
 def verify(out: str | os.PathLike, workers: int = 1) -> list[str]:
     """All problems found in a prepared directory (empty list = good)."""
     out = Path(out)
-    info_path = out / "_info.json"
+    info_path = out / INFO_FILE
     if not info_path.exists():
         return [f"{info_path}: missing (prep did not finish; rerun it to resume)"]
     try:
-        info = json.loads(info_path.read_text(encoding="utf-8"))
-        classes = json.loads((out / "classes.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        return [f"{out}: cannot read _info.json / classes.json ({e})"]
+        info = DatasetInfo.read(info_path)
+        classes = read_classes(out)
+    except SchemaError as e:
+        return [str(e)]
+    if classes is None:
+        return [f"{out / CLASSES_FILE}: missing"]
     problems = []
-    if classes != info.get("classes") or len(classes) != info.get("num_classes"):
+    if info.classes is None or list(classes) != list(info.classes) or len(classes) != info.num_classes:
         problems.append("classes.json does not match classes/num_classes in _info.json")
     jobs = []  # (split, file, expected count)
-    for split, s in info.get("splits", {}).items():
-        if len(s["filenames"]) != len(s["shard_lengths"]) or sum(s["shard_lengths"]) != s["num_samples"]:
+    for split, s in info.splits.items():
+        lengths = s.shard_lengths or ()
+        if len(s.filenames) != len(lengths) or sum(lengths) != s.num_samples:
             problems.append(f"_info.json: split {split}: num_samples/shard_lengths/filenames disagree")
-        jobs += [(split, f, n) for f, n in zip(s["filenames"], s["shard_lengths"])]
+        jobs += [(split, f, n) for f, n in zip(s.filenames, lengths)]
     paths = [str(out / f) for _, f, _ in jobs]
-    multi = bool(info.get("multi_label"))
+    multi = info.multi_label
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
             results = list(ex.map(check_shard, paths, [len(classes)] * len(paths), [multi] * len(paths)))
@@ -132,8 +135,8 @@ def verify(out: str | os.PathLike, workers: int = 1) -> list[str]:
         n_rejects = sum(1 for ln in (out / "rejects.jsonl").read_text(encoding="utf-8").splitlines() if ln.strip())
     except OSError:
         n_rejects = -1
-    if n_rejects != info.get("num_rejects"):
-        problems.append(f"rejects.jsonl has {n_rejects} lines, _info.json says {info.get('num_rejects')}")
-    if total + info.get("num_rejects", 0) != info.get("num_inputs"):
-        problems.append(f"{total} samples + {info.get('num_rejects')} rejects != {info.get('num_inputs')} inputs")
+    if n_rejects != info.num_rejects:
+        problems.append(f"rejects.jsonl has {n_rejects} lines, _info.json says {info.num_rejects}")
+    if total + (info.num_rejects or 0) != info.num_inputs:
+        problems.append(f"{total} samples + {info.num_rejects} rejects != {info.num_inputs} inputs")
     return problems

@@ -6,7 +6,6 @@ import argparse
 import json
 import re
 import sys
-from pathlib import Path
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3}
@@ -115,6 +114,7 @@ def verify_main(argv: list[str]) -> int:
     if args.workers < 1:
         raise ValueError(f"--workers: must be >= 1; got {args.workers}")
     from .checks import verify
+    from .schema import DatasetInfo
 
     problems = verify(args.out, workers=args.workers)
     for line in problems:
@@ -123,11 +123,11 @@ def verify_main(argv: list[str]) -> int:
         print(f"vitp verify: {len(problems)} problem(s) in {args.out}", file=sys.stderr)
         return 1
     # verify() has read every shard and found the counts of _info.json true: say them
-    info = json.loads((Path(args.out) / "_info.json").read_text(encoding="utf-8"))
-    splits = info.get("splits", {})
-    shards = sum(len(s["filenames"]) for s in splits.values())
-    per_split = ", ".join(f"{name} {s['num_samples']}" for name, s in splits.items())
-    print(f"vitp verify: {args.out} OK: {shards} shards, {sum(s['num_samples'] for s in splits.values())} samples "
-          f"({per_split}), {info.get('num_rejects', 0)} rejects")
+    info = DatasetInfo.read(args.out)
+    splits = info.splits
+    shards = sum(len(s.filenames) for s in splits.values())
+    per_split = ", ".join(f"{name} {s.num_samples}" for name, s in splits.items())
+    print(f"vitp verify: {args.out} OK: {shards} shards, {sum(s.num_samples for s in splits.values())} samples "
+          f"({per_split}), {info.num_rejects or 0} rejects")
     return 0
 

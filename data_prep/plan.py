@@ -14,6 +14,8 @@ import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from pipeline.files import atomic_write
+
 from .sources import SPLIT_NAME, Item, Source
 
 PLAN_FILE = "_plan.json"
@@ -149,14 +151,6 @@ def plan_id(plan: dict) -> str:
     return hashlib.sha256(plan_bytes(plan)).hexdigest()[:16]
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write under a process-unique temporary name, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def write_or_check_plan(out: Path, plan: dict) -> str:
     """Store the plan; if OUT already holds a different one, refuse rather than mix two datasets."""
     path = out / PLAN_FILE
@@ -169,7 +163,7 @@ def write_or_check_plan(out: Path, plan: dict) -> str:
                 "use a new output directory or delete it"
             )
     else:
-        atomic_write(path, data)
+        atomic_write(path, data, fsync=True)
     return plan_id(plan)
 
 

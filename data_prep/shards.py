@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -18,17 +17,17 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 
+from pipeline import faults
+from pipeline.files import atomic_write
+
 from .images import ImageOptions, Reject, init_worker, process_image
-from .plan import atomic_write
 from .progress import Progress
+from .tar import TarSink, tar_member
 
 # Samples per worker task: a ProcessPoolExecutor round trip costs the main process ~0.6 ms of CPU,
 # which it takes from the workers' cores; 32 per task keeps that under 2%. Small shards use smaller
 # tasks (down to 8), so they still spread over the workers.
 CHUNK, MIN_CHUNK = 32, 8
-# Test hook only: "SHARD:K" makes the process that handles sample K of SHARD SIGKILL itself.
-KILL_ENV = "VITP_PREP_TEST_KILL_AT"
-_MTIME = 0  # fixed member metadata: same inputs → same tar bytes
 
 
 class WorkerDied(RuntimeError):
@@ -53,11 +52,9 @@ def shard_done(out: Path, name: str, pid: str) -> bool:
 def _work(task: tuple) -> list[tuple]:
     """Worker: a chunk of planned samples → results (ok or reject), same order."""
     root, opts, shard, start, samples = task
-    kill = os.environ.get(KILL_ENV, "")
     out = []
     for i, (key, rel, cls, label, *labels) in enumerate(samples, start):
-        if kill == f"{shard}:{i}":
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.hit("prep_sample", i, shard)
         try:
             s = process_image(os.path.join(root, rel), opts)
         except Reject as r:
@@ -75,52 +72,6 @@ def _work(task: tuple) -> list[tuple]:
         members = {"cls": str(cls).encode(), s.ext: s.data, "json": json.dumps(meta, sort_keys=True).encode()}
         out.append(("ok", b"".join(tar_member(f"{key}.{e}", members[e]) for e in sorted(members))))
     return out
-
-
-def _octal(value: int, width: int) -> bytes:
-    return b"%0*o\0" % (width - 1, value)
-
-
-def tar_header(name: str, size: int) -> bytes:
-    """A POSIX ustar header with fixed metadata (mode 644, uid/gid 0, mtime 0, no user names).
-
-    Written by hand rather than with `tarfile` because tarfile's per-member overhead was ~5% of prep time.
-    """
-    raw = name.encode("utf-8")
-    if len(raw) > 100:
-        raise ValueError(f"tar member name {name!r} longer than 100 bytes")
-    head = (raw.ljust(100, b"\0") + _octal(0o644, 8) + _octal(0, 8) + _octal(0, 8) + _octal(size, 12)
-            + _octal(_MTIME, 12) + b" " * 8 + b"0" + b"\0" * 100 + b"ustar\x0000" + b"\0" * 80
-            ).ljust(512, b"\0")
-    return head[:148] + b"%06o\0 " % sum(head) + head[156:]
-
-
-def tar_member(name: str, data: bytes) -> bytes:
-    """One tar member: header, data, zero padding to a multiple of 512."""
-    return tar_header(name, len(data)) + data + b"\0" * (-len(data) % 512)
-
-
-class TarSink:
-    """Append-only tar writer: members; two zero blocks + padding to 10 KiB at close."""
-
-    def __init__(self, path: Path):
-        self.f = open(path, "wb")
-        self.pos = 0
-
-    def add(self, name: str, data: bytes) -> None:
-        self.add_members(tar_member(name, data))
-
-    def add_members(self, raw: bytes) -> None:
-        """Append already serialised members (see tar_member)."""
-        self.f.write(raw)
-        self.pos += len(raw)
-
-    def close(self) -> None:
-        end = self.pos + 1024
-        self.f.write(b"\0" * (1024 + (-end % 10240)))
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
 
 
 class _ShardWriter:
@@ -151,7 +102,7 @@ class _ShardWriter:
             "bytes": final.stat().st_size, "rejects": dict(sorted(by_reason.items())), "rejected": self.rejects,
             "seconds": round(time.perf_counter() - self.t0, 3),
         }
-        atomic_write(stats_path(self.out, self.name), json.dumps(stats, indent=1, sort_keys=True).encode())
+        atomic_write(stats_path(self.out, self.name), json.dumps(stats, indent=1, sort_keys=True).encode(), fsync=True)
         return stats
 
 

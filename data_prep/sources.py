@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-IMAGE_EXTS = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff", ".ppm", ".pgm", ".pbm"}
+from .schema import IMAGE_EXTS
+
 MANIFEST_EXTS = {".csv", ".jsonl", ".parquet"}
 SPLIT_NAME = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 _INT = re.compile(r"^\d+$")
@@ -113,7 +114,7 @@ def list_image_folder(root: str | os.PathLike, classes: list[str] | None = None)
             rel = Path(os.path.relpath(path, root)).as_posix()
             if d not in index:
                 src.rejects.append(_reject(rel, "bad_label", f"class {d!r} is not in the given classes"))
-            elif os.path.splitext(path)[1].lower() not in IMAGE_EXTS:
+            elif os.path.splitext(path)[1].lower()[1:] not in IMAGE_EXTS:
                 src.rejects.append(_reject(rel, "extension", "not an image file extension"))
             else:
                 src.items.append(Item(rel=rel, label=d, cls=index[d], size=_size(path)))

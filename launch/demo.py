@@ -134,11 +134,12 @@ def run_demo(out: Path, *, data: Path | None = None, nprocs: int = 2, pretrain_s
         return f"{test_split}_top1", res[f"eval/{test_split}/top1"]
 
     def do_figures():
+        from data_prep.schema import IMAGE_EXTS
         from launch.stages import inspect_main
 
         # attention maps over a few held-out images (Figure 6) need inputs; any ImageFolder works
         root = out / "digits" / "images" if data is None else data
-        images = sorted(p for p in root.rglob("*") if p.suffix.lower() in (".png", ".jpg", ".jpeg"))[::97][:8]
+        images = sorted(p for p in root.rglob("*") if p.suffix.lower()[1:] in IMAGE_EXTS)[::97][:8]
         for name, run in (("pretrain", pre_dir), ("transfer", ft_dir)):
             argv = ["--checkpoint", str(run), "--out", str(out / "figures" / name)]
             if run_command(inspect_main, argv + [a for p in images for a in ("--image", str(p))]):

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from launch.attempts import append_event, count, read_events, retried
+from pipeline import faults
 from pipeline.distributed import DistEnv, export_env, leave_process_group, rendezvous_port, setup
 from pipeline.files import write_json
 from pipeline.train import stopping
@@ -279,10 +280,7 @@ class StageJob:
         # GPUs the job asked for; the rendezvous is the one exported above
         setup(cfg, gpus_asked=cfg.cluster.gpus_per_node)
 
-        if "VITP_TEST_PAUSE_AT_STEP" in os.environ:  # tests: hold every rank before the stage starts (step 0)
-            from pipeline.train.checkpoint import maybe_fault
-
-            maybe_fault("step", 0)
+        faults.hit("step", 0)  # tests may hold every rank here, before the stage starts
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
         result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
         leave_process_group()  # every rank returned; what follows synchronises through files

@@ -138,6 +138,7 @@ def check_data(cfg, stage: str) -> None:
     """The dataset exists and has every split the run will read (pipeline.data.shards.check_splits,
     which the stage repeats at its start). Fewer shards than ranks x loader workers is fine: the loader
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
+    from data_prep.schema import DatasetInfo
     from pipeline.config import fewshot_sets
     from pipeline.data.loader import DataError, check_splits
     from pipeline.data.synthetic import is_synthetic
@@ -156,7 +157,7 @@ def check_data(cfg, stage: str) -> None:
         raise SubmitError(str(e)) from None
     if stage == "eval" or cfg.data.resampled or is_synthetic(path):
         return
-    files = json.loads((Path(path) / "_info.json").read_text())["splits"][cfg.data.train_split]["filenames"]
+    files = DatasetInfo.read(path).splits[cfg.data.train_split].filenames  # check_splits read it already
     streams = cfg.world_size_planned * max(1, cfg.data.workers)
     if len(files) < streams and any("://" in f or f.startswith("pipe:") for f in files):
         print(f"warning: data.path: {len(files)} remote {cfg.data.train_split!r} shards for {streams} loader "

@@ -1,9 +1,13 @@
 """Files that are either the old version or the new one, never half written.
 
 Every JSON/YAML/text file vitp publishes (resolved config, metrics, manifests, results, the
-checkpoint LATEST pointer, safetensors exports) is written to a hidden temporary name beside the
-target and renamed over it: a rename within a folder is atomic, so a reader (or a job killed mid
-write) sees one whole file.
+checkpoint LATEST pointer, safetensors exports, and prep's plan, stats and ``_info.json``) is written
+to a hidden temporary name beside the target and renamed over it: a rename within a folder is
+atomic, so a reader (or a job killed mid write) sees one whole file. The temporary name is unique to
+the writer (process id + random part), so two writers of one target (two SLURM array tasks finishing
+a prep, two ranks) each rename a whole file of their own: the last rename wins, whole.
+
+Standard library only: data_prep (no torch) writes through this module too.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +26,7 @@ def replacing(path: str | os.PathLike, *, fsync: bool = False) -> Iterator[Path]
     (``fsync``: the new file and the folder's entry are on stable storage when the block ends)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         yield tmp
         if fsync:

@@ -7,7 +7,7 @@
     source.eval_loader(cfg.data, ...)   each sample once over all ranks: (uint8 images, labels, valid mask)
     source.normalize(x)              uint8 on the device -> the model's input range
 
-shards.py reads tars and ``_info.json`` (its only parser); loader.py decodes and batches them;
+shards.py reads tars and ``_info.json`` (with data_prep.tar and .schema); loader.py decodes and batches them;
 augment.py holds the image transforms; mixing.py mixup/cutmix/label smoothing (the training step's,
 after the loader); synthetic.py is an in-memory set for tests and smoke runs.
 """

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import json
 import math
 import multiprocessing.util  # noqa: F401  (its exit handler is registered before ours, so ours runs first)
 import os
@@ -41,6 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from data_prep.schema import DatasetInfo, SchemaError
 
 from .augment import (
     EvalTransform,
@@ -96,10 +97,9 @@ def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None
     else:
         f = info_file(path)
         try:
-            raw = json.loads(f.read_text(encoding="utf-8"))
-            has = {str(k): len((sp or {}).get("filenames") or ()) for k, sp in (raw.get("splits") or {}).items()}
-        except (OSError, ValueError, AttributeError) as e:
-            raise DataError(f"data.path: {f} is not a valid _info.json ({e})") from None
+            has = {k: len(sp.filenames) for k, sp in DatasetInfo.read(f).splits.items()}
+        except SchemaError as e:
+            raise DataError(f"data.path: {e}") from None
         where = str(f)
     for key, name in want.items():
         hint = _HINTS.get(key, "re-run vitp prep or pick another split")

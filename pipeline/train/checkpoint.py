@@ -31,7 +31,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline import faults
 from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
 from pipeline.files import atomic_write, fsync_path, replacing
 
@@ -146,53 +146,6 @@ def publish(tmp: Path, final: Path, manifest: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Test-only fault injection, read in this one place
-# --------------------------------------------------------------------------------------------------
-def maybe_fault(event: str, step: int) -> None:
-    """Test hooks, each costing a dict lookup when unset:
-
-    - SIGKILL this rank: VITP_TEST_KILL_AT_STEP=k (before step k runs) or VITP_TEST_KILL_DURING_SAVE=k
-      (after writing checkpoint k's files, before publishing it) or VITP_TEST_KILL_DURING_FEWSHOT=k
-      (inside step k's few-shot evaluator), on rank VITP_TEST_KILL_RANK (default 1).
-    - Hold every rank before step k: VITP_TEST_PAUSE_AT_STEP=k[,k2...] (0: before the stage starts, see
-      launch/preempt.py) with VITP_TEST_PAUSE_FILE=P. Each rank writes ``P.k.reached.<rank>``, then waits
-      until ``P.k`` exists; a stop request it receives meanwhile (a signal the test sent) is written to
-      ``P.k.stop.<rank>``. So a test makes a signal land at the step it chooses: wait for every
-      ``reached``, signal, wait for the ``stop`` files, create ``P.k``.
-    """
-    if event == "step" and "VITP_TEST_PAUSE_AT_STEP" in os.environ:
-        _pause(step)
-    var = {"step": "VITP_TEST_KILL_AT_STEP", "save": "VITP_TEST_KILL_DURING_SAVE",
-           "fewshot": "VITP_TEST_KILL_DURING_FEWSHOT"}[event]
-    at = os.environ.get(var)
-    if at is None or int(at) != step:
-        return
-    if int(os.environ.get("RANK", 0)) == int(os.environ.get("VITP_TEST_KILL_RANK", 1)):  # the launcher's rank
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _pause(step: int) -> None:
-    if step not in {int(k) for k in os.environ["VITP_TEST_PAUSE_AT_STEP"].split(",") if k.strip()}:
-        return
-    from pipeline.train import stopping
-
-    base, rank = f"{os.environ['VITP_TEST_PAUSE_FILE']}.{step}", os.environ.get("RANK", "0")
-    release = Path(base)
-    Path(f"{base}.reached.{rank}").touch()
-    deadline = time.monotonic() + float(os.environ.get("VITP_TEST_PAUSE_TIMEOUT_S", "600"))
-    noted = False
-    while not release.exists():  # waiting for the test, which holds the release file
-        if not noted and stopping.stop_reason() is not None:
-            atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
-            noted = True
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"VITP_TEST_PAUSE_FILE: {release} not created within the timeout")
-        time.sleep(0.02)
-    if not noted and stopping.stop_reason() is not None:
-        atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
-
-
-# --------------------------------------------------------------------------------------------------
 # RNG + loader state (per rank): tensors, ints, strings only, so weights_only loading works
 # --------------------------------------------------------------------------------------------------
 def rng_state() -> dict:
@@ -251,7 +204,7 @@ def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, m
     with replacing(tmp / f"vitp_rank{rank}.pt") as part:
         torch.save(extras, part)
     fsync_own_files(tmp, rank)
-    maybe_fault("save", step)
+    faults.hit("save", step)
     wait_for_rank0()  # every rank's files are on stable storage (a large shard on a slow file system takes minutes)
     if rank == 0:
         publish(tmp, final, dict(manifest, step=step, world_size=world, saved_at=time.time()))

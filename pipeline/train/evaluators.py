@@ -37,13 +37,13 @@ import warnings
 import numpy as np
 import torch
 
+from pipeline import faults
 from pipeline.config import Config, DataCfg, fewshot_sets
 from pipeline.data import DataError
 from pipeline.data import loader as shard_loader
 from pipeline.data.shards import SkipCounts, read_shard
 from pipeline.distributed import all_gather_object, all_reduce, gather_object, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval import fewshot as fs
-from pipeline.train.checkpoint import maybe_fault
 
 CACHE_BYTES = 1 << 30  # decoded uint8 images kept per rank, all evaluators together
 SUBSET_SEED = 0
@@ -183,7 +183,7 @@ class FewshotEvaluators:
                 valid.append(ok)
                 pos.append(p)
                 if b == 0:
-                    maybe_fault("fewshot", step)
+                    faults.hit("fewshot", step)
         finally:
             if hook is not None:
                 hook.remove()

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from pipeline import data as data_lib
+from pipeline import faults
 from pipeline.config import Config, flatten, to_yaml, write_resolved
 from pipeline.data.loader import check_splits
 from pipeline.data.mixing import Mixer
@@ -369,7 +370,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     if step < cfg.train.steps:
         run_fewshot()  # a resumed run whose evaluators a stop or a kill cut short
     while step < cfg.train.steps:
-        ckpt_lib.maybe_fault("step", step + 1)
+        faults.hit("step", step + 1)
         lr = lr_for(cfg, step)
         eng_lib.set_lr(engine, lr)
         nxt = step + 1

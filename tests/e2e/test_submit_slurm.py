@@ -3,7 +3,7 @@ over shards written by `vitp prep`: two preemptions that resume exactly, the req
 the operator commands, a job that fails after submission, mistakes caught before sbatch, prep arrays.
 
 Signals land at the step a test chooses, not when the machine's load decides: every rank waits at a
-gate before that step (VITP_TEST_PAUSE_*, pipeline.train.checkpoint.maybe_fault); the test signals the
+gate before that step (VITP_TEST_PAUSE_*, pipeline.faults.hit); the test signals the
 job, waits until every rank has seen the signal, then opens the gate. The loop agrees on a stop at the
 step it was asked for only on steps that sync anyway (log, eval, save) and one step later otherwise,
 so these tests log every step.

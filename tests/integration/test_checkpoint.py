@@ -70,9 +70,9 @@ def test_metrics_file_drops_records_past_the_resumed_step(tmp_path):
 
 FAULTS = """
 import sys
-from pipeline.train.checkpoint import maybe_fault
+from pipeline import faults
 for event, step in [("step", 1), ("step", 2), ("save", 3), ("step", 3)]:
-    maybe_fault(event, step)
+    faults.hit(event, step)
     print(event, step, "passed", flush=True)
 """
 

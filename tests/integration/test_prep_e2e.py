@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from data_prep import finalize, prep, verify
-from data_prep.shards import KILL_ENV
+from pipeline.faults import PREP_KILL_AT as KILL_ENV
 from tests.data_prep_fixtures import bad_corpus, tree_bytes  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]

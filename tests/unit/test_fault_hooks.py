@@ -1,4 +1,4 @@
-"""The test-only pause gate in pipeline.train.checkpoint.maybe_fault: a real process held before a
+"""The test-only pause gate in pipeline.faults.hit: a real process held before a
 chosen step, a real signal delivered while it waits, released by the test's file."""
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys
 from launch.preempt import install_stop_handlers
-from pipeline.train import checkpoint, stopping
+from pipeline import faults
+from pipeline.train import stopping
 install_stop_handlers()
 for step in range(1, 5):
-    checkpoint.maybe_fault("step", step)
+    faults.hit("step", step)
     print(step, stopping.stop_reason(), flush=True)
 """
 
@@ -62,3 +63,21 @@ def test_pause_gate_times_out_instead_of_hanging(tmp_path):
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1].startswith("TimeoutError: VITP_TEST_PAUSE_FILE: ")
     assert Path(f"{tmp_path / 'g'}.1.reached.0").exists()
+
+
+KILLS = """
+from pipeline import faults
+for event, at, scope in [("prep_sample", 10, "train-000000"), ("step", 10, ""), ("prep_sample", 9, "train-000001"),
+                         ("prep_sample", 10, "train-000001"), ("prep_sample", 11, "train-000001")]:
+    faults.hit(event, at, scope)
+    print(event, at, scope, flush=True)
+"""
+
+
+def test_prep_kill_matches_shard_and_sample_on_any_rank():
+    """VITP_PREP_TEST_KILL_AT=SHARD:K kills the process handling sample K of SHARD, and only it (prep
+    workers have no rank: RANK=0 is not spared, unlike the training events)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", VITP_PREP_TEST_KILL_AT="train-000001:10")
+    r = subprocess.run([sys.executable, "-c", KILLS], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL
+    assert r.stdout.splitlines() == ["prep_sample 10 train-000000", "step 10 ", "prep_sample 9 train-000001"]

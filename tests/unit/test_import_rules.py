@@ -11,7 +11,11 @@ Layers, top to bottom:
     pipeline.pretrain, pipeline.transfer, pipeline.evaluate       stages: fn(cfg) -> Result
     pipeline.weights, .train, .eval, .data, .plan, .tracking   the library
     pipeline.distributed, .config, .model, .files, .driver, .secrets, .rundir   the ground floor
-data_prep/ is offline and stands apart: no torch, no pipeline.
+data_prep/ is offline and stands apart: no torch. Two modules are shared across that line, both ways:
+    data_prep -> pipeline.files (atomic_write), pipeline.faults (the test-fault seam): standard library
+                 only at import time, so data_prep stays torch-free
+    pipeline  -> data_prep.schema (_info.json), data_prep.tar (tar reader), data_prep.images (decode
+                 helpers): data_prep's torch-free library modules, never its commands
 """
 
 import ast
@@ -38,6 +42,11 @@ LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data
            "pipeline.tracking")
 GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline.files", "pipeline.driver",
           "pipeline.secrets", "pipeline.rundir")
+# faults is a library module (its pause gate reads pipeline.train.stopping, lazily) that data_prep may call
+LIBRARY = (*LIBRARY, "pipeline.faults")
+DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults"}
+STDLIB_ONLY = {"pipeline/files.py": set(), "pipeline/faults.py": {"pipeline.files"}}  # + what they may import
+PIPELINE_MAY_IMPORT = {"data_prep.schema", "data_prep.tar", "data_prep.images"}
 
 
 def layer(module: str) -> int | None:
@@ -99,8 +108,39 @@ def violations(rel: str, mods: set[str]) -> list[str]:
         out += [f"{rel} imports {m} (pipeline/model may use torch/einops/stdlib only)"
                 for m in sorted(mods - allowed)]
     if rel.startswith("data_prep/"):
-        out += [f"{rel} imports {m} (data_prep stays free of torch and pipeline)"
-                for m in sorted(mods & {"torch", "pipeline", "launch"})]
+        out += [f"{rel} imports {m} (data_prep stays free of torch and launch)"
+                for m in sorted(mods & {"torch", "launch"})]
+    return out
+
+
+def shared_violations(rel: str, names: set[str], top_level: set[str]) -> list[str]:
+    """The two-way line between data_prep and pipeline (see the module docstring). ``names``: every
+    import's dotted name; ``top_level``: the dotted names imported at module level only."""
+    out = []
+    if rel.startswith("data_prep/"):
+        out += [f"{rel} imports {n} (data_prep may use only {', '.join(sorted(DATA_PREP_MAY_IMPORT - {'pipeline'}))})"
+                for n in sorted(names) if n.split(".")[0] == "pipeline"
+                and n not in DATA_PREP_MAY_IMPORT and not n.startswith(("pipeline.files.", "pipeline.faults."))]
+    if rel.startswith("pipeline/"):
+        out += [f"{rel} imports {n} (pipeline may use only {', '.join(sorted(PIPELINE_MAY_IMPORT))} of data_prep)"
+                for n in sorted(names) if n.split(".")[0] == "data_prep" and n != "data_prep"
+                and not any(n == m or n.startswith(m + ".") for m in PIPELINE_MAY_IMPORT)]
+    if rel in STDLIB_ONLY:
+        ok = set(sys.stdlib_module_names) | {"__future__"}
+        out += [f"{rel} imports {n} at module level (standard library only: data_prep imports it)"
+                for n in sorted(top_level) if n.split(".")[0] not in ok and n != "pipeline"
+                and not any(n == m or n.startswith(m + ".") for m in STDLIB_ONLY[rel])]
+    return out
+
+
+def top_level_imports(source: str) -> set[str]:
+    """Dotted names imported by the module's own top-level statements (not inside functions)."""
+    out = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
     return out
 
 
@@ -187,6 +227,21 @@ def test_repository_follows_import_rules():
     assert not found, "\n".join(found)
 
 
+def test_data_prep_and_pipeline_share_only_torch_free_modules():
+    found = []
+    for rel, path in _repo_files():
+        src = path.read_text(encoding="utf-8")
+        found += shared_violations(rel, imports(src, module_name(rel)), top_level_imports(src))
+    assert not found, "\n".join(found)
+    # and at run time: data_prep's modules and the two it shares load no torch (nor numpy, for the shared ones)
+    code = ("import sys, pipeline.files, pipeline.faults, data_prep.schema, data_prep.tar; "
+            "heavy = sorted(m for m in ('torch', 'numpy') if m in sys.modules); "
+            "import data_prep.build, data_prep.checks, data_prep.cli, data_prep.shards; "
+            "print(heavy, 'torch' in sys.modules); sys.exit(1 if heavy or 'torch' in sys.modules else 0)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def test_layers_import_only_downwards():
     files = dict(_repo_files())
     known = {module_name(rel) for rel in files}
@@ -246,6 +301,15 @@ def test_checker_catches_violations():
     assert layer_violations("pipeline.train.loop", {"pipeline.config.Config", "torch"}, known) == []
     assert imports("from .augment import x", "pipeline.data.loader") >= {"pipeline.data.augment.x"}
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert violations("data_prep/shards.py", {"pipeline"}) == []  # which pipeline modules: shared_violations
+    assert shared_violations("data_prep/x.py", {"pipeline.files.atomic_write", "pipeline"}, set()) == []
+    assert shared_violations("data_prep/x.py", {"pipeline.data.loader"}, set())
+    assert shared_violations("pipeline/data/shards.py", {"data_prep.tar.iter_tar"}, set()) == []
+    assert shared_violations("pipeline/data/shards.py", {"data_prep.build.prep"}, set())
+    assert shared_violations("pipeline/faults.py", set(), {"os", "pipeline.files.atomic_write"}) == []
+    assert shared_violations("pipeline/faults.py", set(), {"torch"})
+    known = {"pipeline.faults", "pipeline.train.stopping"}
+    assert layer_violations("pipeline.faults", {"pipeline.train.stopping"}, known) == []
 
 
 # ── Private names stay private ─────────────────────────────────────────────────────────────────────

@@ -1,0 +1,80 @@
+"""Test-only fault injection behind one seam: production code calls ``faults.hit(event, at)`` where a
+test may need a fault, and nothing else about faults lives in production modules.
+
+With no fault variable set, ``hit`` costs a dict lookup or two (``os.environ``); it never imports
+torch, so data_prep (torch-free) calls it too. Events and their variables (values ``[SCOPE:]K``):
+
+    event          at            variable                        what happens when it matches
+    "step"         step k        VITP_TEST_KILL_AT_STEP=k        SIGKILL before step k runs
+    "save"         step k        VITP_TEST_KILL_DURING_SAVE=k    SIGKILL after checkpoint k's files are
+                                                                 written, before it is published
+    "fewshot"      step k        VITP_TEST_KILL_DURING_FEWSHOT=k SIGKILL inside step k's few-shot evaluator
+    "prep_sample"  sample index  VITP_PREP_TEST_KILL_AT=SHARD:K  SIGKILL the prep process handling sample
+                   (scope: shard)                                K of SHARD
+
+The training events kill only rank VITP_TEST_KILL_RANK (default 1; the ``RANK`` the launcher set).
+
+Pause gate, event "step": VITP_TEST_PAUSE_AT_STEP=k[,k2...] (0: before the stage starts, see
+launch/preempt.py) with VITP_TEST_PAUSE_FILE=P holds every rank before step k. Each rank writes
+``P.k.reached.<rank>``, then waits until ``P.k`` exists (at most VITP_TEST_PAUSE_TIMEOUT_S, default
+600, then TimeoutError); a stop request it receives meanwhile (a signal the test sent) is written to
+``P.k.stop.<rank>``. So a test makes a signal land at the step it chooses: wait for every
+``reached``, signal, wait for the ``stop`` files, create ``P.k``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from pipeline.files import atomic_write
+
+KILL_AT_STEP = "VITP_TEST_KILL_AT_STEP"
+KILL_DURING_SAVE = "VITP_TEST_KILL_DURING_SAVE"
+KILL_DURING_FEWSHOT = "VITP_TEST_KILL_DURING_FEWSHOT"
+KILL_RANK = "VITP_TEST_KILL_RANK"
+PREP_KILL_AT = "VITP_PREP_TEST_KILL_AT"
+PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
+PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
+PAUSE_TIMEOUT_S = "VITP_TEST_PAUSE_TIMEOUT_S"
+
+_KILL = {"step": KILL_AT_STEP, "save": KILL_DURING_SAVE, "fewshot": KILL_DURING_FEWSHOT, "prep_sample": PREP_KILL_AT}
+_RANKED = frozenset({"step", "save", "fewshot"})  # training events: only the chosen rank dies
+
+
+def hit(event: str, at: int, scope: str = "") -> None:
+    """The seam: a fault set for ``event`` at ``at`` (within ``scope``, e.g. a shard name) happens here."""
+    if event == "step" and PAUSE_AT_STEP in os.environ:
+        _pause(at)
+    want = os.environ.get(_KILL[event])
+    if want is None:
+        return
+    where, _, k = want.rpartition(":")
+    if where != scope or int(k) != at:
+        return
+    if event in _RANKED and int(os.environ.get("RANK", 0)) != int(os.environ.get(KILL_RANK, 1)):
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause(step: int) -> None:
+    if step not in {int(k) for k in os.environ[PAUSE_AT_STEP].split(",") if k.strip()}:
+        return
+    from pipeline.train import stopping  # only under the gate: data_prep's calls never load it
+
+    base, rank = f"{os.environ[PAUSE_FILE]}.{step}", os.environ.get("RANK", "0")
+    release = Path(base)
+    Path(f"{base}.reached.{rank}").touch()
+    deadline = time.monotonic() + float(os.environ.get(PAUSE_TIMEOUT_S, "600"))
+    noted = False
+    while not release.exists():  # waiting for the test, which holds the release file
+        if not noted and stopping.stop_reason() is not None:
+            atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
+            noted = True
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{PAUSE_FILE}: {release} not created within the timeout")
+        time.sleep(0.02)
+    if not noted and stopping.stop_reason() is not None:
+        atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())

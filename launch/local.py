@@ -33,9 +33,11 @@ def _has_cuda() -> bool:
         return False
 
 
-def run_local(argv: list[str], nprocs: int, *, env: dict | None = None, timeout: float | None = None) -> int:
-    """Run ``python -m launch.cli *argv`` as ``nprocs`` ranks; 0 if all succeed, else the first failure's
-    code (negative: killed by that signal; 124: ``timeout`` seconds passed)."""
+def run_local(argv: list[str], nprocs: int, *, env: dict | None = None, timeout: float | None = None,
+              module: str = "launch.cli") -> int:
+    """Run ``python -m MODULE *argv`` (the vitp command line by default) as ``nprocs`` ranks; 0 if all
+    succeed, else the first failure's code (negative: killed by that signal; 124: ``timeout`` seconds
+    passed)."""
     base = dict(os.environ)
     base.update(env or {})
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nprocs),
@@ -48,7 +50,7 @@ def run_local(argv: list[str], nprocs: int, *, env: dict | None = None, timeout:
     procs = []
     for r in range(nprocs):
         e = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-m", "launch.cli", *argv], env=e, cwd=os.getcwd()))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=e, cwd=os.getcwd()))
     deadline = None if timeout is None else time.monotonic() + timeout
     code = 0
     try:

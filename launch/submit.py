@@ -181,9 +181,9 @@ def check_tracking(cfgs: list, stage: str) -> None:
         if stage != "eval":
             uri = resolve_uri(cfg, cfg.run.dir)
         else:
-            from pipeline.evaluate import evaluated_run
+            from pipeline.evaluate import run_of_checkpoint
 
-            parent = evaluated_run(cfg.eval.checkpoint) if Path(cfg.eval.checkpoint or "").exists() else None
+            parent = run_of_checkpoint(cfg.eval.checkpoint) if Path(cfg.eval.checkpoint or "").exists() else None
             uri = parent.uri if parent and parent.run_id else os.environ.get("MLFLOW_TRACKING_URI")
             exp = (parent and parent.experiment) or exp
         if not uri or (uri, exp) in seen:

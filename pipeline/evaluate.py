@@ -24,7 +24,7 @@ import torch
 from pipeline.config import ConfigError, EvalConfig, flatten
 from pipeline.data import DataError, dataset_inputs, read_info
 from pipeline.distributed import comm_device, rank_world, setup
-from pipeline.eval.classify import evaluate_model, write_results
+from pipeline.eval.classify import score_model, write_results
 from pipeline.tracking import Sinks
 from pipeline.tracking.setup import configured_sinks, start_mlflow
 from pipeline.train import checkpoint as ckpt_lib
@@ -42,7 +42,7 @@ class EvalResult:
 
 
 @dataclass
-class EvaluatedRun:
+class CheckpointRun:
     """What the checkpoint's manifest says about the run that wrote it (all None for a bare file)."""
 
     run_id: str | None = None
@@ -51,20 +51,20 @@ class EvaluatedRun:
     step: int = 0
 
 
-def evaluated_run(checkpoint: str | os.PathLike) -> EvaluatedRun:
+def run_of_checkpoint(checkpoint: str | os.PathLike) -> CheckpointRun:
     """The MLflow run (and its store) of a run dir, a checkpoint folder or a run dir's model.safetensors."""
     p = Path(checkpoint)
-    run_dir = p.parent.parent if (p / ckpt_lib.MANIFEST).is_file() else p if p.is_dir() else p.parent
-    ck = p if (p / ckpt_lib.MANIFEST).is_file() else ckpt_lib.latest_checkpoint(run_dir)
+    ck = ckpt_lib.checkpoint_in(p if p.is_dir() else p.parent)
     if ck is None:
-        return EvaluatedRun()
+        return CheckpointRun()
+    run_dir = ck.parent.parent  # RUN_DIR/checkpoints/step-*
     man = ckpt_lib.read_manifest(ck)
     conf = man.get("config") or {}
     uri = man.get("mlflow_uri") or conf.get("tracking.uri") or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None or (uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()):
         local = run_dir / "mlflow.db"  # the default store, or the run dir moved since
         uri = f"sqlite:///{local.resolve()}" if local.is_file() else None
-    return EvaluatedRun(man.get("mlflow_run_id"), uri, conf.get("tracking.experiment"), int(man.get("step") or 0))
+    return CheckpointRun(man.get("mlflow_run_id"), uri, conf.get("tracking.experiment"), int(man.get("step") or 0))
 
 
 def default_out(checkpoint: str) -> Path:
@@ -90,7 +90,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     out_dir = Path(e.out) if e.out else default_out(e.checkpoint)
     tracker, parent = _start_tracking(cfg, out_dir, rank, world)
     try:
-        res = evaluate_model(model, cfg.data, split=e.split, batch=e.batch, device=device, classify_split=e.top1,
+        res = score_model(model, cfg.data, split=e.split, batch=e.batch, device=device, classify_split=e.top1,
                              fewshot_cfg=e if e.fewshot else None, linear_probe=e.linear_probe, out_dir=out_dir,
                              train_split=cfg.data.train_split, max_train_images=e.max_train_images,
                              autocast=torch.bfloat16 if device.type == "cuda" else None)
@@ -113,10 +113,10 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     return EvalResult("completed", metrics, path, text, tracker.run_id, parent.run_id)
 
 
-def _start_tracking(cfg: EvalConfig, out_dir: Path, rank: int, world: int) -> tuple[Sinks, EvaluatedRun]:
+def _start_tracking(cfg: EvalConfig, out_dir: Path, rank: int, world: int) -> tuple[Sinks, CheckpointRun]:
     """The evaluation's run (rank 0): under the evaluated run when there is one; else top-level when
     $MLFLOW_TRACKING_URI is set; else none. Plus the tracking.sinks, on rank 0."""
-    e, parent = cfg.eval, evaluated_run(cfg.eval.checkpoint)
+    e, parent = cfg.eval, run_of_checkpoint(cfg.eval.checkpoint)
     uri = parent.uri if parent.run_id else os.environ.get("MLFLOW_TRACKING_URI")
     extra = configured_sinks(cfg, out_dir, rank=rank)
     if rank != 0 or not uri or not cfg.tracking.enabled:

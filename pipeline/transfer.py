@@ -20,7 +20,7 @@ import torch
 from pipeline.config import Config, ConfigError
 from pipeline.data.loader import check_splits
 from pipeline.distributed import rank0_print, setup
-from pipeline.eval.classify import evaluate_model, write_results
+from pipeline.eval.classify import score_model, write_results
 from pipeline.rundir import own_run_dir
 from pipeline.train.engine import param_groups_layer_decay
 from pipeline.train.loop import Finished, Result, train
@@ -48,7 +48,7 @@ def transfer(cfg: Config) -> Result:
         device = run.engine.device
         final = load_model(Path(cfg.run.dir) / "model.safetensors").to(device)
         split = cfg.data.val_split or "val"
-        res = evaluate_model(final, cfg.data, split=split, batch=cfg.eval.batch, device=device,
+        res = score_model(final, cfg.data, split=split, batch=cfg.eval.batch, device=device,
                              linear_probe=cfg.eval.linear_probe, out_dir=cfg.run.dir,
                              autocast=torch.bfloat16 if device.type == "cuda" else None)
         run.result.val_top1 = res.get(split + "/top1")  # None on multi-label data (prec1, mAP instead)

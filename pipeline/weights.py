@@ -186,7 +186,7 @@ def source_lineage(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_dir():
         return {"parent_checkpoint": str(p)}
-    ck = p if (p / ckpt_lib.MANIFEST).is_file() else ckpt_lib.latest_checkpoint(p)
+    ck = ckpt_lib.checkpoint_in(p)
     if ck is None:
         return {"parent_checkpoint": str(p)}
     man = ckpt_lib.read_manifest(ck)
@@ -220,14 +220,10 @@ def load_checkpoint_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Te
         return _read_safetensors(p)
     if (p / "model.safetensors").is_file():
         return _read_safetensors(p / "model.safetensors")
-    if not (p / ckpt_lib.MANIFEST).is_file():
-        latest = ckpt_lib.latest_checkpoint(p)
-        if latest is None:
-            raise FileNotFoundError(f"{p}: no model.safetensors and no complete checkpoint in it")
-        p = latest
-    from pipeline.train import engine as eng
-
-    return eng.fp32_state_dict(str(p)), ckpt_lib.read_manifest(p).get("model_config")
+    ck = ckpt_lib.checkpoint_in(p)
+    if ck is None:
+        raise FileNotFoundError(f"{p}: no model.safetensors and no complete checkpoint in it")
+    return ckpt_lib.read_weights(ck)
 
 
 def save_weights(sd: dict[str, torch.Tensor], model_config: dict | None, path: str | os.PathLike,

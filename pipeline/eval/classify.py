@@ -360,7 +360,7 @@ def dataset_info(data_cfg) -> tuple[int, list[str]]:
     return info.num_classes, list(info.classes)
 
 
-def evaluate_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batch: int = 64,
+def score_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batch: int = 64,
                    device: torch.device | str = "cpu", classify_split: bool = True,
                    fewshot_cfg=None, linear_probe: bool = False, out_dir: str | Path | None = None,
                    autocast: torch.dtype | None = None, train_split: str = "train",
@@ -409,7 +409,7 @@ def evaluate_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batc
                                       max_images=max_train_images, autocast=autocast)
         te_x, te_y = extract_features(model, load(split), device=device, prepare=prepare, autocast=autocast)
         if fewshot_cfg is not None:
-            few = fs.fewshot_eval(tr_x, tr_y, te_x, te_y, k, shots=fewshot_cfg.fewshot_shots,
+            few = fs.fewshot_accuracy(tr_x, tr_y, te_x, te_y, k, shots=fewshot_cfg.fewshot_shots,
                                   seeds=fewshot_cfg.fewshot_seeds, l2=fewshot_cfg.fewshot_l2)
             out.update(fewshot_summary(few))
             out["fewshot_text"] = fs.format_fewshot(few)

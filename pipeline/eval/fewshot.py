@@ -96,7 +96,7 @@ def sample_shots(labels: torch.Tensor, shots: int, seed: int, num_classes: int) 
     return torch.cat(out)
 
 
-def fewshot_eval(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
+def fewshot_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
                  num_classes: int, shots: Sequence[int] = (1, 5, 10, 25), seeds: int = 3,
                  l2: float = 1.0) -> dict[int, dict]:
     """Few-shot linear accuracy for each shot count: {shots: {"mean", "std", "accs": [per seed]}}.

@@ -2,12 +2,18 @@
 
 Layout under ``RUN_DIR/checkpoints/``::
 
-    tmp-step-00000040/          being written (DeepSpeed files from every rank + our per-rank extras)
+    tmp-step-00000040/          being written (DeepSpeed files from every rank + our named states)
     step-00000040/              published: rank 0 wrote manifest.json, then renamed tmp-… → step-…
         mp_rank_00_model_states.pt, *_optim_states.pt    DeepSpeed (model + optimizer, all ranks)
-        vitp_rank0.pt, vitp_rank1.pt                      RNG states + loader position per rank
+        vitp_rank0.pt, vitp_rank1.pt                      each rank's named states (RNG, loader position, log window)
+        vitp_shared.pt                                    the states equal on every rank (EMA, few-shot progress)
         manifest.json                                     step, world size, run id, model + run config
     LATEST                      name of the newest published checkpoint (written atomically)
+
+:class:`CheckpointManager` writes and reads them: it takes the run's parts as named
+:class:`Stateful` objects (``state_dict``/``load_state_dict``), saves each under its name, restores
+each by name, and decides when to save. Other stages read checkpoints through
+:func:`checkpoint_in`, :func:`read_manifest` and :func:`read_weights`.
 
 DeepSpeed's own ``latest`` file is not written: it appears before every rank has finished. A
 checkpoint exists iff its ``step-*`` folder exists with a manifest (a rename is atomic), so a job
@@ -33,7 +39,10 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -43,6 +52,7 @@ from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, 
 from pipeline.files import atomic_write, fsync_path, replacing
 
 MANIFEST = "manifest.json"
+SHARED = "vitp_shared.pt"  # the states equal on every rank, written once by rank 0
 _PREFIX, _TMP = "step-", "tmp-step-"
 
 
@@ -86,6 +96,21 @@ def resume_choice(run_dir: str | os.PathLike) -> Path | None:
 
 def read_manifest(ckpt: str | os.PathLike) -> dict:
     return json.loads((Path(ckpt) / MANIFEST).read_text())
+
+
+def checkpoint_in(path: str | os.PathLike) -> Path | None:
+    """The checkpoint ``path`` names: a ``step-*`` folder itself, else a run dir's newest complete
+    one; None when there is none."""
+    p = Path(path)
+    return p if (p / MANIFEST).is_file() else latest_checkpoint(p)
+
+
+def read_weights(ckpt: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """A checkpoint folder's consolidated fp32 model weights (any ZeRO stage, no engine needed) and
+    its model config (build_vit kwargs) from the manifest: how other stages read a checkpoint."""
+    from pipeline.train import engine as eng
+
+    return eng.fp32_state_dict(str(ckpt)), read_manifest(ckpt).get("model_config")
 
 
 def incomplete(ckpt: str | os.PathLike) -> str | None:
@@ -146,8 +171,36 @@ def publish(tmp: Path, final: Path, manifest: dict) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# RNG + loader state (per rank): tensors, ints, strings only, so weights_only loading works
+# Named states: what the manager saves besides DeepSpeed's model + optimizer
 # --------------------------------------------------------------------------------------------------
+class Stateful(Protocol):
+    """A part of the run that saves and loads itself. Its ``state_dict`` holds tensors, numbers,
+    strings, lists and dicts only (the checkpoint is read back with weights_only=True).
+
+    An optional class attribute ``checkpoint_scope`` says whose state it is:
+      "per_rank" (the default)  each rank saves its own; resumed on another number of ranks, every
+                                rank loads rank 0's (the RNG; the loader position, which checks its layout)
+      "rank_local"              each rank saves its own, restored only on the same number of ranks
+                                (the log window's partial sums, which another rank count cannot continue)
+      "shared"                  equal on every rank: rank 0 saves it once, every rank loads it (EMA, the
+                                few-shot evaluators' progress)
+    """
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
+
+
+SCOPES = ("per_rank", "rank_local", "shared")
+
+
+def scope_of(obj) -> str:
+    scope = getattr(obj, "checkpoint_scope", "per_rank")
+    if scope not in SCOPES:
+        raise ValueError(f"{type(obj).__name__}.checkpoint_scope: {scope!r} is not one of {SCOPES}")
+    return scope
+
+
 def rng_state() -> dict:
     np_state = np.random.get_state()
     py_state = random.getstate()
@@ -173,46 +226,14 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-# --------------------------------------------------------------------------------------------------
-# Save / resume (collective: call on every rank)
-# --------------------------------------------------------------------------------------------------
-def save(engine, run_dir: str | os.PathLike, step: int, *, loader_state: dict, manifest: dict,
-         keep: int, shared: dict[str, torch.Tensor] | None = None, train_state: dict | None = None) -> Path:
-    """Write checkpoint ``step`` on every rank, then publish it atomically; keep the newest ``keep``.
+class RngState:
+    """This process's torch / numpy / Python (and CUDA) generators as a :class:`Stateful`."""
 
-    manifest: JSON-able facts rank 0 records (config, model config, MLflow run id, ...).
-    shared: tensors equal on every rank (e.g. EMA weights), stored once, by rank 0.
-    train_state: JSON-able per-rank loop state (e.g. the log window's partial sums).
-    """
-    from pipeline.train import engine as eng
+    def state_dict(self) -> dict:
+        return rng_state()
 
-    rank, world = rank_world()
-    r = root(run_dir)
-    tmp, final = r / f"{_TMP}{step:08d}", r / tag_for(step)
-    if rank == 0:
-        r.mkdir(parents=True, exist_ok=True)
-        for stale in r.glob(f"{_TMP}*"):  # left by a job killed while saving
-            shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # re-saving a step (e.g. the final save right after a periodic one)
-            shutil.rmtree(final)
-    wait_for_rank0()  # rank 0 may have had old folders to delete
-    eng.save_checkpoint(engine, str(r), tmp.name)
-    extras = {"step": step, "rank": rank, "world_size": world, "rng": rng_state(),
-              "loader": json.dumps(loader_state), "train": json.dumps(train_state or {})}
-    if shared and rank == 0:
-        extras["shared"] = shared
-    with replacing(tmp / f"vitp_rank{rank}.pt") as part:
-        torch.save(extras, part)
-    fsync_own_files(tmp, rank)
-    faults.hit("save", step)
-    wait_for_rank0()  # every rank's files are on stable storage (a large shard on a slow file system takes minutes)
-    if rank == 0:
-        publish(tmp, final, dict(manifest, step=step, world_size=world, saved_at=time.time()))
-        for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-            shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
-    wait_for_rank0()  # deleting old checkpoints can outlast a collective's timeout
-    return final
+    def load_state_dict(self, sd: dict) -> None:
+        set_rng_state(sd)
 
 
 def universal_for(ckpt: Path, world: int) -> Path | None:
@@ -240,24 +261,97 @@ def universal_for(ckpt: Path, world: int) -> Path | None:
     return out
 
 
-def resume(engine, ckpt: Path, universal: Path | None = None) -> dict:
-    """Load model + optimizer (DeepSpeed), this rank's RNG and loader state from ``ckpt``.
+@dataclass
+class Resumed:
+    step: int
+    manifest: dict  # what rank 0 recorded (run config, model config, MLflow run id, ...)
 
-    Returns {"step", "loader", "train", "manifest", "shared"}. With ``universal`` (a world-size change) the
-    DeepSpeed state comes from the converted folder and every rank takes rank 0's RNG state.
-    ``shared`` (e.g. EMA weights) is read from rank 0's file, where save() stores it once.
+
+class CheckpointManager:
+    """Saves and restores a run: DeepSpeed's model + optimizer through its own collective save, and
+    the named :class:`Stateful` parts, each its own entry (``states={"loader": ..., "ema": ...}``).
+    It decides when to save (``due``: every ``every`` steps and at ``last_step``) and is the periodic
+    task "checkpoint" of the training loop. ``manifest()``: the JSON-able facts rank 0 records at
+    each save. ``save`` and ``restore`` are collective: call them on every rank.
+
+    Files: ``vitp_rank<R>.pt`` per rank ({"step", "world_size", "states": {name: state}}) and
+    ``vitp_shared.pt`` (rank 0: the "shared" states).
     """
-    from pipeline.train import engine as eng
 
-    rank = rank_world()[0]
-    src = universal or ckpt
-    eng.load_checkpoint(engine, str(src.parent), src.name)
-    mine, first = ckpt / f"vitp_rank{rank}.pt", ckpt / "vitp_rank0.pt"
-    src_file = mine if mine.is_file() and universal is None else first
-    extras = torch.load(src_file, map_location="cpu", weights_only=True)
-    set_rng_state(extras["rng"])
-    rank0 = extras if src_file == first else torch.load(first, map_location="cpu", weights_only=True)
-    return {"step": int(extras["step"]), "loader": json.loads(extras["loader"]),
-            "train": json.loads(extras.get("train") or "{}") if universal is None else {},
-            "manifest": read_manifest(ckpt),
-            "shared": rank0.get("shared") or {}}
+    name = "checkpoint"
+
+    def __init__(self, run_dir: str | os.PathLike, engine, states: dict[str, Stateful], *, every: int,
+                 last_step: int, keep: int, manifest: Callable[[], dict] = dict):
+        self.run_dir, self.engine, self.states = Path(run_dir), engine, dict(states)
+        self.every, self.last_step, self.keep, self.manifest = every, last_step, keep, manifest
+        self.scopes = {name: scope_of(obj) for name, obj in self.states.items()}
+        self.saved_at: int | None = None
+
+    def due(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0) or step == self.last_step
+
+    def run(self, step: int) -> dict:
+        self.save(step)
+        return {}
+
+    def path(self, step: int) -> Path:
+        return root(self.run_dir) / tag_for(step)
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint ``step`` on every rank, then publish it atomically; keep the newest ``keep``."""
+        from pipeline.train import engine as eng
+
+        rank, world = rank_world()
+        r = root(self.run_dir)
+        tmp, final = r / f"{_TMP}{step:08d}", self.path(step)
+        if rank == 0:
+            r.mkdir(parents=True, exist_ok=True)
+            for stale in r.glob(f"{_TMP}*"):  # left by a job killed while saving
+                shutil.rmtree(stale, ignore_errors=True)
+            if final.exists():  # re-saving a step (a resumed run's final save)
+                shutil.rmtree(final)
+        wait_for_rank0()  # rank 0 may have had old folders to delete
+        eng.save_checkpoint(self.engine, str(r), tmp.name)
+        own = {n: o.state_dict() for n, o in self.states.items() if self.scopes[n] != "shared"}
+        with replacing(tmp / f"vitp_rank{rank}.pt") as part:
+            torch.save({"step": step, "rank": rank, "world_size": world, "states": own}, part)
+        if rank == 0:
+            shared = {n: o.state_dict() for n, o in self.states.items() if self.scopes[n] == "shared"}
+            with replacing(tmp / SHARED) as part:
+                torch.save({"step": step, "states": shared}, part)
+        fsync_own_files(tmp, rank)
+        faults.hit("save", step)
+        wait_for_rank0()  # every rank's files are on stable storage (a large shard on a slow file system takes minutes)
+        if rank == 0:
+            publish(tmp, final, dict(self.manifest(), step=step, world_size=world, saved_at=time.time()))
+            for old in complete_checkpoints(self.run_dir)[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
+        wait_for_rank0()  # deleting old checkpoints can outlast a collective's timeout
+        self.saved_at = step
+        return final
+
+    def restore(self, ckpt: Path, universal: Path | None = None) -> Resumed:
+        """Load model + optimizer (DeepSpeed) and every named state from ``ckpt``. With ``universal``
+        (written by another number of ranks, see :func:`universal_for`) the DeepSpeed state comes from
+        the converted folder, "per_rank" states from rank 0's file and "rank_local" ones start afresh."""
+        from pipeline.train import engine as eng
+
+        rank = rank_world()[0]
+        src = universal or ckpt
+        eng.load_checkpoint(self.engine, str(src.parent), src.name)
+        mine = ckpt / f"vitp_rank{rank if universal is None else 0}.pt"
+        own = torch.load(mine, map_location="cpu", weights_only=True)
+        shared = torch.load(ckpt / SHARED, map_location="cpu", weights_only=True)["states"]
+        for name, obj in self.states.items():
+            scope = self.scopes[name]
+            if scope == "rank_local" and universal is not None:
+                continue
+            saved = shared if scope == "shared" else own["states"]
+            if name not in saved:
+                raise RuntimeError(f"{ckpt}: holds no saved state {name!r} (saved: {sorted(saved) or 'none'}); "
+                                   "it was written with another configuration or vitp version")
+            obj.load_state_dict(saved[name])
+        return Resumed(int(own["step"]), read_manifest(ckpt))
+
+

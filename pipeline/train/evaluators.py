@@ -23,9 +23,10 @@ named by its folder or as ``NAME=PATH``):
 Decoded test and subset images stay in memory between evaluations (the eval transform is
 deterministic) while a rank's share fits ``CACHE_BYTES``; beyond that they are read again each time.
 
-Which steps are done is read from the run's log: a step is evaluated once, after that step's
-checkpoint, and a resumed run (after a stop, or a kill during an evaluator) evaluates the step it
-resumes at unless ``metrics.jsonl`` already holds its few-shot record. A stop request that arrives
+Which steps are done travels with the checkpoint (the newest evaluated step is a checkpointed state)
+and is completed from the run's log: a step is evaluated once, after that step's checkpoint, and a
+resumed run (after a stop, or a kill during an evaluator) evaluates the step it resumes at unless
+``metrics.jsonl`` already holds its few-shot record. A stop request that arrives
 while an evaluator runs is honoured at a step boundary right after it, as always.
 """
 
@@ -127,31 +128,44 @@ class _Set:
 
 
 class FewshotEvaluators:
-    """The few-shot evaluators of a run: ``maybe_run(step)`` on every rank at every step boundary."""
+    """The few-shot evaluators of a run, as one periodic task of the training loop ("fewshot": due every
+    ``train.fewshot_every`` steps and at ``last_step``, after that step's checkpoint) and one checkpointed
+    state (its progress: the newest evaluated step, equal on every rank)."""
 
-    def __init__(self, cfg: Config, engine, device, dtype, history: list[dict]):
+    name = "fewshot"
+    checkpoint_scope = "shared"
+
+    def __init__(self, cfg: Config, engine, device, dtype, *, last_step: int):
         self.cfg, self.engine, self.device, self.dtype = cfg, engine, device, dtype
         self.rank, self.world = rank_world()
         t0 = time.perf_counter()
-        self.every = cfg.train.fewshot_every
+        self.every, self.last_step = cfg.train.fewshot_every, last_step
         self.sets = [_Set(n, p, cfg, self.rank, self.world) for n, p in fewshot_sets(cfg.eval.fewshot_data)]
         budget = sum(s.rank_bytes(cfg.model.img_size) for s in self.sets)
         self.cache = budget <= CACHE_BYTES
-        # the newest step whose few-shot record is in metrics.jsonl (rank 0 read it); every rank agrees
-        done = max((r["step"] for r in history if any(k.startswith(PREFIX) for k in r)), default=0)
-        if self.sets:
-            done = int(all_reduce(torch.tensor([done], dtype=torch.int64, device=device), "max").item())
-        self.done = done
+        self.done = 0  # the newest evaluated step
         self.setup_s = time.perf_counter() - t0  # logged with the first evaluation
 
-    def due(self, step: int, final: bool = False) -> bool:
-        return bool(self.sets) and step > self.done and (final or (self.every > 0 and step % self.every == 0))
+    def state_dict(self) -> dict:
+        return {"done": self.done}
 
-    def maybe_run(self, step: int, final: bool = False) -> dict | None:
-        """None when ``step`` is not an evaluation step (or was evaluated); else run every evaluator
-        (collective) and return its metrics ({} on ranks other than 0)."""
-        if not self.due(step, final):
-            return None
+    def load_state_dict(self, sd: dict) -> None:
+        self.done = max(self.done, int(sd["done"]))
+
+    def skip_logged(self, history: list[dict]) -> None:
+        """Collective. A step evaluated after the resumed checkpoint was written (a kill came later)
+        is in metrics.jsonl (rank 0 read it) but not in the checkpoint: count it done, on every rank."""
+        logged = max((r["step"] for r in history if any(k.startswith(PREFIX) for k in r)), default=0)
+        if self.sets:
+            logged = int(all_reduce(torch.tensor([logged], dtype=torch.int64, device=self.device), "max").item())
+        self.done = max(self.done, logged)
+
+    def due(self, step: int) -> bool:
+        return bool(self.sets) and step > self.done and (
+            step == self.last_step or (self.every > 0 and step % self.every == 0))
+
+    def run(self, step: int) -> dict:
+        """Run every evaluator (collective) -> its metrics on rank 0 ({} on the others)."""
         t0 = time.perf_counter()
         out: dict = {}
         for s in self.sets:

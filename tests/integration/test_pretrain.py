@@ -84,7 +84,7 @@ def assert_same_weights(a, b):
 
 
 def loader_state(ckpt: Path, rank: int) -> dict:
-    return json.loads(torch.load(ckpt / f"vitp_rank{rank}.pt", weights_only=True)["loader"])
+    return torch.load(ckpt / f"vitp_rank{rank}.pt", weights_only=True)["states"]["loader"]
 
 
 @pytest.fixture(scope="module")

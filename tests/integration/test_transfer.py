@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, DataCfg, load_config
-from pipeline.eval.classify import evaluate_model
+from pipeline.eval.classify import score_model
 from pipeline.model import build_vit, resample_posemb
 from pipeline.weights import WeightsError as TransferError
 from pipeline.weights import build_from_source as build_transfer_model
@@ -107,7 +107,7 @@ def test_finetune_loss_falls_and_beats_linear_probe(pretrained, bars, tmp_path):
     assert res["parent_step"] == 20 and res["num_classes"] == 4
     for name in ("confusion_val.png", "per_class_val.json", "model.safetensors"):
         assert (run / name).is_file(), name
-    base = evaluate_model(load_model(pretrained, img_size=32), DataCfg(path=str(bars)), classify_split=False,
+    base = score_model(load_model(pretrained, img_size=32), DataCfg(path=str(bars)), classify_split=False,
                           linear_probe=True)
     print(f"fine-tuned top-1 {res['val/top1']:.3f}, linear probe {base['linear_probe/top1']:.3f}")
     # measured: 0.91 vs 0.28 (chance 0.25)

@@ -52,11 +52,12 @@ def test_all_reduce_refuses_a_host_tensor_when_the_group_is_elsewhere(meta_group
 
 
 def test_training_loop_agreement_and_window_stay_on_the_device(meta_group, monkeypatch):
-    from pipeline.train import loop
+    from pipeline.train import loop, periodic
 
     seen, recording = meta_group
     monkeypatch.setattr(loop, "all_reduce", recording)
-    window, agree = loop.Window(META), loop.Agreement(META)
+    monkeypatch.setattr(periodic, "all_reduce", recording)
+    window, agree = periodic.Window(META), loop.Agreement(META)
     step_sums = torch.zeros(3, dtype=torch.float64, device=META)
     window.add(step_sums)
     agree.post(1, "requeue", step_sums[0])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.config import DataCfg, EvalCfg
-from pipeline.eval.classify import classify, evaluate_model, extract_features, write_artifacts, write_results
+from pipeline.eval.classify import classify, extract_features, score_model, write_artifacts, write_results
 from pipeline.model import build_vit
 from pipeline.weights import WeightsError as TransferError
 from pipeline.weights import load_model
@@ -83,7 +83,7 @@ def _tiny(num_classes=10, img=16, **kw):
 def test_evaluate_model_on_synthetic_counts_every_val_sample(tmp_path):
     data = DataCfg(path="synthetic:classes=4,train=64,val=24")
     model = _tiny(4)
-    res = evaluate_model(model, data, batch=10, fewshot_cfg=EvalCfg(fewshot_shots=[1, 5], fewshot_seeds=2),
+    res = score_model(model, data, batch=10, fewshot_cfg=EvalCfg(fewshot_shots=[1, 5], fewshot_seeds=2),
                          linear_probe=True, out_dir=tmp_path)
     assert res["val/n"] == 24
     assert 0.0 <= res["val/top1"] <= res["val/top5"] <= 1.0
@@ -97,7 +97,7 @@ def test_evaluate_model_on_synthetic_counts_every_val_sample(tmp_path):
 
 def test_evaluate_model_head_mismatch_is_clear():
     with pytest.raises(ValueError, match="the dataset has 4 classes but the model's head has 10"):
-        evaluate_model(_tiny(10), DataCfg(path="synthetic:classes=4,train=8,val=8"))
+        score_model(_tiny(10), DataCfg(path="synthetic:classes=4,train=8,val=8"))
 
 
 def test_extract_features_width_and_cap():

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 
 from pipeline.config import DataCfg
 from pipeline.distributed import free_port
-from pipeline.eval.classify import evaluate_model
+from pipeline.eval.classify import score_model
 from pipeline.model import build_vit
 
 DATA = "synthetic:classes=3,train=30,val=21"  # 21 = an uneven split over 2 ranks
@@ -25,7 +25,7 @@ def _worker(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    res = evaluate_model(_model(), DataCfg(path=DATA), batch=4, fewshot_cfg=None, linear_probe=True)
+    res = score_model(_model(), DataCfg(path=DATA), batch=4, fewshot_cfg=None, linear_probe=True)
     if rank == 0:
         torch.save({k: v for k, v in res.items() if isinstance(v, float)}, out)
     dist.destroy_process_group()
@@ -36,7 +36,7 @@ def test_two_ranks_equal_one(tmp_path):
     out = tmp_path / "r.pt"
     mp.start_processes(_worker, args=(port, str(out)), nprocs=2, start_method="spawn")
     two = torch.load(out, weights_only=True)
-    one = evaluate_model(_model(), DataCfg(path=DATA), batch=4, linear_probe=True)
+    one = score_model(_model(), DataCfg(path=DATA), batch=4, linear_probe=True)
     assert two["val/n"] == 21
     for k in ("val/top1", "val/top5", "val/loss", "linear_probe/top1"):
         assert abs(two[k] - one[k]) < 1e-6, k

@@ -6,7 +6,7 @@ import torch
 
 from pipeline.eval.fewshot import (
     BIAS_CONSTANT,
-    fewshot_eval,
+    fewshot_accuracy,
     format_fewshot,
     linear_probe,
     ridge_accuracy,
@@ -77,7 +77,7 @@ def test_fewshot_eval_mean_std_over_seeds_and_skips_impossible_shots():
     centres = torch.randn(3, 8, generator=g) * 2
     y = torch.arange(3).repeat(12)
     x = centres[y] + torch.randn(36, 8, generator=g)
-    res = fewshot_eval(x, y, x, y, 3, shots=(1, 5, 25), seeds=4, l2=1.0)
+    res = fewshot_accuracy(x, y, x, y, 3, shots=(1, 5, 25), seeds=4, l2=1.0)
     assert set(res) == {1, 5, 25}
     for k in (1, 5):
         accs = np.array(res[k]["accs"])

@@ -21,6 +21,17 @@ def repo_root() -> Path:
     return ROOT
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_found():
+    """A stage run inside the test process exports the torch.distributed variables
+    (pipeline.distributed.setup: WORLD_SIZE=1, ...); the next test starts from the environment this
+    one found, whatever it ran."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 SERVICE_MARKS = ("mlflow_server", "slurm")
 SERVICE_FIXTURES = ("mlflow_server", "slurm_cluster")
 

@@ -65,7 +65,7 @@ from .shards import (  # re-exported: callers import the dataset API from here
     read_shard,
     segments,
 )
-from .source import DataSource
+from .source import ClassLoaders, DataSource
 from .synthetic import is_synthetic
 from .synthetic import read_info as synthetic_info
 
@@ -468,23 +468,14 @@ class EvalLoader:
 
 
 # ── The source ─────────────────────────────────────────────────────────────────────────────────────
-class ShardSource(DataSource):
+class ShardSource(ClassLoaders, DataSource):
     """A `vitp prep` folder of WebDataset shards as a :class:`~pipeline.data.source.DataSource`."""
 
     kind = "local"
     normalize = staticmethod(normalize)
 
-    def _read_info(self) -> Info:
-        return read_info(self.path)
-
-    def train_loader(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, rank: int,
-                     world_size: int, seed: int, pin_memory: bool = False) -> TrainLoader:
-        return TrainLoader(cfg_data, img_size=img_size, micro_batch=micro_batch, global_batch=global_batch,
-                           rank=rank, world_size=world_size, seed=seed, pin_memory=pin_memory)
-
-    def eval_loader(self, cfg_data, *, img_size: int, batch: int, rank: int, world_size: int,
-                    split: str) -> EvalLoader:
-        return EvalLoader(cfg_data, img_size=img_size, batch=batch, rank=rank, world_size=world_size, split=split)
+    train_loader_class, eval_loader_class = TrainLoader, EvalLoader
+    info_reader = staticmethod(read_info)
 
     def dataset_name(self) -> str:
         return os.path.basename(os.path.normpath(self.path))

@@ -16,7 +16,7 @@ Mixup/cutmix is not the source's business: :mod:`pipeline.data.mixing` does it, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -103,3 +103,25 @@ class DataSource(ABC):
         """Where the data came from, as MLflow's dataset ``source`` (JSON) says it."""
         return {"spec": self.path}
 
+
+class ClassLoaders:
+    """``train_loader``/``eval_loader``/``_read_info`` for a source whose loaders are two classes that
+    take the declared arguments as they are (both of vitp's sources): mix it in before DataSource."""
+
+    train_loader_class: type
+    eval_loader_class: type
+    info_reader: Callable[[str], Info]  # a staticmethod: path -> Info
+
+    def _read_info(self) -> Info:
+        return self.info_reader(self.path)
+
+    def train_loader(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, rank: int,
+                     world_size: int, seed: int, pin_memory: bool = False) -> TrainBatches:
+        return self.train_loader_class(cfg_data, img_size=img_size, micro_batch=micro_batch,
+                                       global_batch=global_batch, rank=rank, world_size=world_size, seed=seed,
+                                       pin_memory=pin_memory)
+
+    def eval_loader(self, cfg_data, *, img_size: int, batch: int, rank: int, world_size: int,
+                    split: str) -> EvalBatches:
+        return self.eval_loader_class(cfg_data, img_size=img_size, batch=batch, rank=rank, world_size=world_size,
+                                      split=split)

@@ -18,7 +18,7 @@ import json
 import torch
 
 from pipeline.data.shards import Info, SplitInfo
-from pipeline.data.source import DataSource
+from pipeline.data.source import ClassLoaders, DataSource
 
 PREFIX = "synthetic:"
 _DEFAULTS = {"classes": 10, "train": 2048, "val": 256, "noise": 60}
@@ -162,20 +162,11 @@ class EvalLoader:
             yield x, y, valid
 
 
-class SyntheticSource(DataSource):
+class SyntheticSource(ClassLoaders, DataSource):
     """``synthetic[:options]`` as a :class:`~pipeline.data.source.DataSource` (no files)."""
 
     kind = "synthetic"
     normalize = staticmethod(normalize)
 
-    def _read_info(self) -> Info:
-        return read_info(self.path)
-
-    def train_loader(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, rank: int,
-                     world_size: int, seed: int, pin_memory: bool = False) -> TrainLoader:
-        return TrainLoader(cfg_data, img_size=img_size, micro_batch=micro_batch, global_batch=global_batch,
-                           rank=rank, world_size=world_size, seed=seed, pin_memory=pin_memory)
-
-    def eval_loader(self, cfg_data, *, img_size: int, batch: int, rank: int, world_size: int,
-                    split: str) -> EvalLoader:
-        return EvalLoader(cfg_data, img_size=img_size, batch=batch, rank=rank, world_size=world_size, split=split)
+    train_loader_class, eval_loader_class = TrainLoader, EvalLoader
+    info_reader = staticmethod(read_info)

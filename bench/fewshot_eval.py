@@ -21,8 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep import prep  # noqa: E402
-from launch.demo import PRETRAIN_RECIPE, write_digits  # noqa: E402
+from launch.demo import PRETRAIN_RECIPE, prep_digits  # noqa: E402
 from launch.local import run_local  # noqa: E402
 
 
@@ -45,7 +44,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         shards = tmp / "shards"
-        prep(write_digits(tmp / "digits"), shards, split_column="split", max_samples_per_shard=160, progress=False)
+        prep_digits(tmp / "digits", shards)
         argv = ["pretrain", "--config", str(PRETRAIN_RECIPE), f"run.dir={tmp / 'run'}", f"data.path={shards}",
                 f"eval.fewshot_data=[digits={shards}]", "tracking.enabled=false"]
         argv += [f"train.steps={args.steps}", f"checkpoint.every={args.steps}"]

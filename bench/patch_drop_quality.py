@@ -34,8 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep import prep  # noqa: E402
-from launch.demo import PRETRAIN_RECIPE, PRETRAIN_TUNING, write_digits  # noqa: E402
+from launch.demo import PRETRAIN_RECIPE, PRETRAIN_TUNING, prep_digits  # noqa: E402
 from launch.local import run_local  # noqa: E402
 
 DROP = 0.5
@@ -104,7 +103,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         shards = tmp / "shards"
-        prep(write_digits(tmp / "digits"), shards, split_column="split", max_samples_per_shard=160, progress=False)
+        prep_digits(tmp / "digits", shards)
         ratio, pairs = calibrate(tmp, shards, rounds=args.calibration_rounds, steps=args.calibration_steps,
                                  nprocs=args.nprocs)
         drop_steps = round(args.steps / ratio)

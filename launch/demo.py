@@ -56,6 +56,15 @@ def write_digits(out: Path, *, seed: int = 0, test_fraction: float = 0.2, val_fr
     return manifest
 
 
+def prep_digits(folder: Path, shards: Path) -> dict:
+    """The demo's dataset: the digits written under ``folder``, sharded into ``shards`` by `vitp prep`
+    as the demo does (160 samples a shard, its train/val/test split); returns prep's summary."""
+    from data_prep import prep
+
+    return prep(write_digits(folder), shards, split_column="split", seed=0, max_samples_per_shard=160,
+                progress=False)
+
+
 def _stage(name: str, summary: list, fn):
     print(f"\n=== {name} ===", flush=True)
     t0 = time.perf_counter()
@@ -97,8 +106,7 @@ def run_demo(out: Path, *, data: Path | None = None, nprocs: int = 2, pretrain_s
 
     def do_prep():
         if data is None:
-            source = write_digits(out / "digits")
-            res = prep(source, shards, split_column="split", seed=0, max_samples_per_shard=160, progress=False)
+            res = prep_digits(out / "digits", shards)
         else:
             res = prep(data, shards, val_fraction=0.2, seed=0, workers=min(2, os.cpu_count() or 1), progress=False)
         return "samples", sum((res["num_samples"] or {}).values())

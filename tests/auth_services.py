@@ -78,7 +78,7 @@ def make_ca(d: Path) -> tuple[Path, Path, Path]:
     return d / "ca.pem", d / "server.pem", d / "server.key"
 
 
-def _wait_ok(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: float = 120, **kw) -> None:
+def wait_ok(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: float = 120, **kw) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -93,7 +93,7 @@ def _wait_ok(url: str, proc: subprocess.Popen, what: str, log: Path, timeout: fl
     raise RuntimeError(f"{what} did not answer {url} within {timeout}s: {log.read_text()[-3000:]}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_process(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -122,9 +122,9 @@ def start_mlflow(d: Path) -> tuple[subprocess.Popen, str]:
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     uri = f"http://127.0.0.1:{port}"
     try:
-        _wait_ok(f"{uri}/health", proc, "mlflow server --app-name basic-auth", log)
+        wait_ok(f"{uri}/health", proc, "mlflow server --app-name basic-auth", log)
     except Exception:
-        _stop(proc)
+        stop_process(proc)
         raise
     return proc, uri
 
@@ -176,9 +176,9 @@ def start_nginx(d: Path, upstream: str, token: str) -> tuple[subprocess.Popen, s
 
     uri = f"https://127.0.0.1:{port}"
     try:
-        _wait_ok(f"{uri}/health", proc, "nginx", log, context=ssl.create_default_context(cafile=str(ca)))
+        wait_ok(f"{uri}/health", proc, "nginx", log, context=ssl.create_default_context(cafile=str(ca)))
     except Exception:
-        _stop(proc)
+        stop_process(proc)
         raise
     return proc, uri, ca
 
@@ -194,6 +194,6 @@ def auth_stack(d: Path):
         try:
             yield AuthServer(http, https, ca, token, d / "mlflow" / "artifacts")
         finally:
-            _stop(nginx_proc)
+            stop_process(nginx_proc)
     finally:
-        _stop(mlflow_proc)
+        stop_process(mlflow_proc)

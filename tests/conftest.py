@@ -51,3 +51,44 @@ def pytest_runtest_makereport(item, call):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         rep.outcome = "failed"
         rep.longrepr = f"CI=true: {item.nodeid} needs a real service and was skipped: {reason}"
+
+
+# ── Object stores on loopback (tests/object_store.py) ──────────────────────────────────────────────
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3-compatible server on 127.0.0.1, once per session."""
+    from tests.auth_services import stop_process
+    from tests.object_store import start_s3
+
+    server = start_s3(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server
+    finally:
+        stop_process(server.proc)
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch) -> str:
+    """``s3://<fresh bucket>``, with this process's environment pointing botocore at the test server
+    (subprocesses started from the test inherit it)."""
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{s3_server.make_bucket()}"
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """``serve(folder) -> base URL``: nginx serving a folder over HTTP on 127.0.0.1 for this test."""
+    from tests.auth_services import stop_process
+    from tests.object_store import start_http
+
+    procs = []
+
+    def serve(root) -> str:
+        proc, base = start_http(tmp_path / f"nginx{len(procs)}", root)
+        procs.append(proc)
+        return base
+
+    yield serve
+    for p in procs:
+        stop_process(p)

@@ -33,6 +33,8 @@ OWNERS = {
     "mlflow": lambda p: p == "pipeline/tracking/mlflow_sink.py",
     "submitit": lambda p: p.startswith("launch/"),
     "webdataset": lambda p: p.startswith(("pipeline/data/", "data_prep/")),
+    # dataset addresses (local, s3://, gs://, http(s)://): one module opens them all
+    **{m: (lambda p: p == "data_prep/store.py") for m in ("fsspec", "s3fs", "gcsfs", "boto3", "botocore")},
 }
 MODEL_ALLOWED = {"torch", "einops", "pipeline"}
 MODEL_LOADING = {"numpy", "safetensors"}  # reading checkpoint files only

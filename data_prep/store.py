@@ -1,0 +1,161 @@
+"""Where a dataset lives: a local folder or an object store / HTTP address, behind one small API.
+
+An *address* is a local path or a URL: ``s3://bucket/prefix``, ``gs://bucket/prefix``,
+``https://host/path`` (``http://`` too). This module is the only importer of fsspec; S3 and GCS
+need the optional extras (``pip install 'vitp[s3]'`` / ``'vitp[gcs]'``), HTTP needs nothing more.
+
+Credentials come from each SDK's own chain, never from vitp's config: for S3 botocore's
+(``AWS_ACCESS_KEY_ID``/``AWS_PROFILE``/instance roles; an S3-compatible endpoint from
+``AWS_ENDPOINT_URL``), for GCS google-auth's (``GOOGLE_APPLICATION_CREDENTIALS``, gcloud).
+A signed URL carries its secret in the query string: anything that is printed, logged or tracked
+names an address through :func:`public`, which drops the query and any user info.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import IO
+
+REMOTE_SCHEMES = ("s3", "gs", "http", "https")
+EXTRA_OF = {"s3": "s3", "gs": "gcs"}  # scheme -> the vitp extra that installs its fsspec implementation
+
+
+class AddressError(ValueError):
+    """An address that cannot be used; the message is one line naming the (public) address and why."""
+
+
+def scheme(address: str) -> str:
+    """'s3', 'gs', 'http', 'https', or 'file' for a local path (``file://`` URLs included)."""
+    s = urllib.parse.urlsplit(str(address)).scheme.lower()
+    return s if s in REMOTE_SCHEMES else "file"
+
+
+def is_remote(address: str | os.PathLike) -> bool:
+    return scheme(str(address)) != "file"
+
+
+def public(address: str | os.PathLike) -> str:
+    """The address as it may be printed, logged or tracked: no query string, fragment or user info."""
+    address = str(address)
+    if not is_remote(address):
+        return address
+    u = urllib.parse.urlsplit(address)
+    host = u.hostname or ""
+    if u.port:
+        host = f"{host}:{u.port}"
+    return urllib.parse.urlunsplit((u.scheme, host, u.path, "", ""))
+
+
+def join(base: str | os.PathLike, name: str) -> str:
+    """``name`` resolved against the dataset address ``base``: an absolute path or a URL is kept as is.
+
+    A query string on ``base`` (a signed prefix) is not carried over: each object of a signed dataset
+    needs its own signature, so its ``_info.json`` names full URLs.
+    """
+    base = str(base)
+    if "://" in name or name.startswith("pipe:") or os.path.isabs(name):
+        return name
+    if not is_remote(base):
+        return os.path.join(base, name)
+    u = urllib.parse.urlsplit(base)
+    return urllib.parse.urlunsplit((u.scheme, u.netloc, u.path.rstrip("/") + "/" + name, "", ""))
+
+
+@functools.cache
+def _filesystem(proto: str):
+    import fsspec
+
+    try:
+        return fsspec.filesystem(proto)
+    except ImportError as e:
+        extra = EXTRA_OF.get(proto)
+        hint = f"pip install 'vitp[{extra}]'" if extra else "its fsspec implementation is not installed"
+        raise AddressError(f"{proto}:// addresses need the {extra or proto} extra: {hint} ({e})") from None
+
+
+def filesystem(address: str | os.PathLike):
+    """(fsspec filesystem, path within it) for an address. One filesystem per protocol and process;
+    a forked loader worker gets its own (fsspec's async filesystems are not fork-safe, and
+    ``fsspec.filesystem`` keys its cache by pid)."""
+    address = str(address)
+    proto = scheme(address)
+    if proto == "file":
+        return _filesystem("file"), os.path.abspath(address.removeprefix("file://"))
+    fs = _filesystem(proto)
+    if proto in ("http", "https"):
+        return fs, address  # the HTTP filesystem takes whole URLs (the query is part of the object's name)
+    return fs, fs._strip_protocol(address)
+
+
+def reason(e: BaseException) -> str:
+    """A one-line reason for an I/O error, without the address (the caller names it: an SDK's own
+    message may repeat the address with its query string)."""
+    if isinstance(e, urllib.error.HTTPError):
+        return f"HTTP {e.code} {e.reason}"
+    if isinstance(e, FileNotFoundError):
+        detail = e.args[0] if e.args and isinstance(e.args[0], str) else ""
+        return "not found" + (f" ({detail})" if detail and "/" not in detail else "")
+    if isinstance(e, PermissionError):
+        return "access denied (check the credentials in the environment)"
+    if isinstance(e, urllib.error.URLError):
+        return f"cannot connect ({e.reason})"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
+def read_bytes(address: str | os.PathLike) -> bytes:
+    """The whole object (small files: ``_info.json``, ``classes.json``, stats); OSError as is."""
+    fs, path = filesystem(address)
+    return fs.cat_file(path)
+
+
+def exists(address: str | os.PathLike) -> bool:
+    fs, path = filesystem(address)
+    return fs.exists(path)
+
+
+def size(address: str | os.PathLike) -> int:
+    fs, path = filesystem(address)
+    return int(fs.size(path))
+
+
+def open_read(address: str | os.PathLike, start: int = 0) -> IO[bytes]:
+    """A binary stream of the object from byte ``start``: a local file is seeked; a remote object is
+    read as a stream (no download to disk; S3 and GCS ask for ``Range: bytes=start-``).
+
+    No retry here: a caller that must survive network faults wraps it (the loader's shard reader).
+    """
+    fs, path = filesystem(address)
+    if not is_remote(str(address)):
+        f = open(path, "rb", buffering=1 << 16)
+        f.seek(start)
+        return f
+    f = fs.open(path, "rb", block_size=1 << 22, cache_type="readahead")
+    if start:
+        f.seek(start)
+    return f
+
+
+def check_readable(address: str | os.PathLike, what: str) -> None:
+    """Fail with one line naming ``what`` (e.g. 'data.path: s3://b/x/_info.json') and the reason when
+    the object cannot be read: a missing bucket or key, a 403, a 404, a host that does not answer."""
+    try:
+        if scheme(str(address)) in ("http", "https"):
+            _probe_http(str(address))  # fsspec's HTTP info reports every failure as "not found"
+        else:
+            fs, path = filesystem(address)
+            fs.info(path)
+    except AddressError:
+        raise
+    except Exception as e:  # noqa: BLE001 (each SDK has its own error classes; the reason says which)
+        raise AddressError(f"{what}: {public(address)}: {reason(e)}") from None
+
+
+def _probe_http(url: str, timeout_s: float = 30) -> None:
+    """Ask for the first byte; HTTPError/URLError say why not."""
+    req = urllib.request.Request(url, headers={"Range": "bytes=0-0"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        r.read(1)

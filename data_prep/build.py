@@ -24,13 +24,13 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
-from pipeline.files import atomic_write
-
+from . import store
 from .images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageOptions
 from .plan import build_plan, load_plan, plan_id, write_or_check_plan
 from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards
-from .shards import shard_done, stats_path, write_shards
+from .shards import shard_done, write_shards
 from .sources import list_source
+from .upload import complete_shards, write_to_store
 
 REJECTS_FILE = "rejects.jsonl"
 DEFAULT_MAX_SAMPLES_PER_SHARD = 5000
@@ -64,8 +64,12 @@ def prep(
     workers: int = 1,
     shard_range: tuple[int, int] | None = None,
     progress: bool = True,
+    staging: str | os.PathLike | None = None,
+    part_size: int = store.DEFAULT_PART_SIZE,
 ) -> dict:
-    """Shard `source` (ImageFolder dir or CSV/JSONL/Parquet manifest) into WebDataset tars under `out`.
+    """Shard `source` (ImageFolder dir or CSV/JSONL/Parquet manifest) into WebDataset tars under `out`,
+    a folder or an object store prefix (``s3://bucket/prefix``, ``gs://...``: see data_prep/upload.py;
+    `staging` is the local folder where shards wait for their upload, `part_size` the multipart part).
 
     `shard_range=(start, stop)` writes only those planned shards (indices into the plan's shard list,
     all splits in order), for SLURM array tasks; `(0, 0)` only writes the plan and reports
@@ -73,8 +77,15 @@ def prep(
     Returns a summary dict (see the keys at the end).
     """
     t0 = time.perf_counter()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    remote = store.is_remote(out)
+    if remote:
+        store.check_writable(out, "OUT")  # before listing a single image
+        if part_size < store.MIN_PART_SIZE:
+            raise ValueError(f"part_size={part_size}: object stores take parts of at least {store.MIN_PART_SIZE}")
+        out = str(out).rstrip("/")
+    else:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
     opts = ImageOptions(resize_shorter, resize_longer, quality, min_size, max_pixels, max_bytes, keep_original)
     if workers < 1:
         raise ValueError(f"workers={workers}: must be >= 1")
@@ -87,19 +98,24 @@ def prep(
     else:
         plan = build_plan(src, **kwargs)
     pid = write_or_check_plan(out, plan)
-    atomic_write(out / CLASSES_FILE, _json_bytes(plan["classes"]), fsync=True)
+    store.write_file(out, CLASSES_FILE, _json_bytes(plan["classes"]))
 
     shards = plan["shards"]
     start, stop = shard_range if shard_range is not None else (0, len(shards))
     if not 0 <= start <= stop <= len(shards):
         raise ValueError(f"shard_range=({start}, {stop}): plan has {len(shards)} shards")
-    todo = [s for s in shards[start:stop] if not shard_done(out, s["name"], pid)]
-    written = write_shards(out, plan["root"], opts, todo, pid, workers, progress)
+    if remote:
+        done = complete_shards(out, shards[start:stop], pid)
+        todo = [s for s in shards[start:stop] if s["name"] not in done]
+        written = write_to_store(out, plan["root"], opts, todo, pid, workers, progress, staging, part_size)
+    else:
+        todo = [s for s in shards[start:stop] if not shard_done(out, s["name"], pid)]
+        written = write_shards(out, plan["root"], opts, todo, pid, workers, progress)
     info = finalize(out)
     seconds = time.perf_counter() - t0
     n_written = sum(s["planned"] for s in written)
     return {
-        "out": str(out),
+        "out": store.public(out),
         "plan_id": pid,
         "num_inputs": plan["num_inputs"],
         "shards_total": len(shards),
@@ -119,16 +135,15 @@ def prep(
 def finalize(out: str | os.PathLike) -> DatasetInfo | None:
     """Write rejects.jsonl and _info.json if every planned shard is complete; else return None.
 
-    Safe to call from several SLURM tasks at once: all write the same bytes through atomic renames.
+    Safe to call from several SLURM tasks at once: all write the same bytes, each file whole (atomic
+    renames in a folder, single PUTs in an object store).
     """
-    out = Path(out)
     plan = load_plan(out)
     pid = plan_id(plan)
-    stats = []
-    for sh in plan["shards"]:
-        if not shard_done(out, sh["name"], pid):
-            return None
-        stats.append(json.loads(stats_path(out, sh["name"]).read_text(encoding="utf-8")))
+    done = complete_shards(out, plan["shards"], pid)
+    if len(done) < len(plan["shards"]):
+        return None
+    stats = [done[sh["name"]] for sh in plan["shards"]]
     rejects = list(plan["rejects"]) + [r for st in stats for r in st["rejected"]]
     by_reason: dict[str, int] = {}
     for r in rejects:
@@ -147,7 +162,7 @@ def finalize(out: str | os.PathLike) -> DatasetInfo | None:
         image_options=plan["image_options"], format_version=FORMAT_VERSION, digest=pid,
     )
     lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
-    atomic_write(out / REJECTS_FILE, lines.encode("utf-8"), fsync=True)
+    store.write_file(out, REJECTS_FILE, lines.encode("utf-8"))
     # last: its presence means the dataset is complete
-    atomic_write(out / INFO_FILE, info.to_json().encode("utf-8"), fsync=True)
+    store.write_file(out, INFO_FILE, info.to_json().encode("utf-8"))
     return info

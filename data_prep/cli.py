@@ -15,12 +15,17 @@ examples:
   vitp prep data/imagenet/train out/in1k --resize-shorter 256 --quality 90 --val-fraction 0.01 --workers 8
   vitp prep data/labels.csv out/ds --split-column split --shard-size 500MB
   vitp prep data/imagenet/train out/in1k --resize-shorter 256 --shard-range 0:16   # one SLURM array task
+  vitp prep data/imagenet/train s3://bucket/in1k --resize-shorter 256 --workers 8  # into an object store
 
 A manifest (.csv/.jsonl/.parquet) has a path column (relative to the manifest) and a label column
 (class names or integer indices), or a labels column for multi-label data (`3;17;42`, a JSON list,
 or a list value; names or indices; the sample's .cls is the first one, or the label column's value
 when the manifest has both, and the json holds them all as "labels"). Rerunning the same command
 resumes: complete shards are kept.
+
+OUT may be an object store prefix (s3://bucket/prefix, gs://bucket/prefix; extras vitp[s3], vitp[gcs];
+credentials from the SDK's own environment/profile chain): each shard is made in --staging-dir and
+uploaded when complete, its _stats.json after it (the marker a rerun trusts), _info.json last.
 
 Exit status 0 done; 1 a worker process died (rerun the same command to resume); 2 a usage or input
 mistake (one line on stderr).
@@ -38,7 +43,7 @@ def parse_size(text: str) -> int:
     """'500MB' → 500_000_000, '64MiB' → 67_108_864, '1000' → 1000."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"--shard-size {text!r}: expected a size like 500MB, 1GiB or 1000000")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size like 500MB, 1GiB or 1000000")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -53,7 +58,7 @@ def _prep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitp prep", description="Shard images into WebDataset tars.",
                                 epilog=PREP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="ImageFolder directory (root/<class>/<image>) or manifest file")
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", help="output directory, or s3://bucket/prefix, gs://bucket/prefix")
     p.add_argument("--seed", type=int, default=0, help="global shuffle seed (default 0)")
     p.add_argument("--val-fraction", type=float, default=0.0, help="stratified val split fraction, e.g. 0.01")
     p.add_argument("--split-column", help="manifest column naming each row's split (instead of --val-fraction)")
@@ -80,6 +85,10 @@ def _prep_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--shard-range", type=parse_range, help="only these planned shards, START:STOP (job arrays)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line on stderr")
+    p.add_argument("--staging-dir", help="OUT in an object store: local folder where finished shards wait for "
+                                         "their upload, a few at a time (default: the system temp folder)")
+    p.add_argument("--part-size", type=parse_size, default="64MiB",
+                   help="OUT in an object store: multipart upload part size, at least 5MiB (default 64MiB)")
     return p
 
 
@@ -100,6 +109,7 @@ def prep_main(argv: list[str]) -> int:
         resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
         min_size=args.min_size, max_pixels=args.max_pixels, keep_original=args.keep_original,
         dedup=args.dedup, workers=args.workers, shard_range=args.shard_range, progress=args.progress,
+        staging=args.staging_dir, part_size=args.part_size,
     )
     print(json.dumps(summary, indent=1))
     return 0

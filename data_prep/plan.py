@@ -12,10 +12,8 @@ import math
 import os
 import random
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
-from pipeline.files import atomic_write
-
+from . import store
 from .sources import SPLIT_NAME, Item, Source
 
 PLAN_FILE = "_plan.json"
@@ -151,24 +149,25 @@ def plan_id(plan: dict) -> str:
     return hashlib.sha256(plan_bytes(plan)).hexdigest()[:16]
 
 
-def write_or_check_plan(out: Path, plan: dict) -> str:
-    """Store the plan; if OUT already holds a different one, refuse rather than mix two datasets."""
-    path = out / PLAN_FILE
+def write_or_check_plan(out: str | os.PathLike, plan: dict) -> str:
+    """Store the plan; if OUT (a folder or an object store prefix) already holds a different one,
+    refuse rather than mix two datasets."""
     data = plan_bytes(plan)
-    if path.exists():
-        old = path.read_bytes()
+    old = store.read_file(out, PLAN_FILE)
+    if old is not None:
         if old != data:
             raise ValueError(
-                f"{path}: OUT already holds shards of a different plan (other inputs, seed or options); "
-                "use a new output directory or delete it"
+                f"{store.public(store.join(out, PLAN_FILE))}: OUT already holds shards of a different plan "
+                "(other inputs, seed or options); use a new output directory or delete it"
             )
     else:
-        atomic_write(path, data, fsync=True)
+        store.write_file(out, PLAN_FILE, data)
     return plan_id(plan)
 
 
-def load_plan(out: Path) -> dict:
-    path = Path(out) / PLAN_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no plan; run `vitp prep` on this output directory first")
-    return json.loads(path.read_text(encoding="utf-8"))
+def load_plan(out: str | os.PathLike) -> dict:
+    data = store.read_file(out, PLAN_FILE)
+    if data is None:
+        raise FileNotFoundError(f"{store.public(store.join(out, PLAN_FILE))}: no plan; run `vitp prep` on this "
+                                "output directory first")
+    return json.loads(data.decode("utf-8"))

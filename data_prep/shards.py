@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
@@ -99,7 +99,8 @@ class _ShardWriter:
             by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
         stats = {
             "shard": f"{self.name}.tar", "plan_id": self.pid, "planned": self.planned, "count": self.count,
-            "bytes": final.stat().st_size, "rejects": dict(sorted(by_reason.items())), "rejected": self.rejects,
+            "bytes": final.stat().st_size, "sha256": self.tar.sha256,
+            "rejects": dict(sorted(by_reason.items())), "rejected": self.rejects,
             "seconds": round(time.perf_counter() - self.t0, 3),
         }
         atomic_write(stats_path(self.out, self.name), json.dumps(stats, indent=1, sort_keys=True).encode(), fsync=True)
@@ -140,8 +141,9 @@ def _results(root: str, opts: ImageOptions, shards: list[dict], workers: int) ->
 
 
 def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], pid: str, workers: int,
-                 progress: bool) -> list[dict]:
-    """Write the given planned shards (none of them complete yet); returns their stats."""
+                 progress: bool, on_done: Callable[[dict], None] | None = None) -> list[dict]:
+    """Write the given planned shards (none of them complete yet); returns their stats. ``on_done(stats)``
+    runs as each shard is complete (prep to an object store uploads it then)."""
     for sh in shards:  # leftovers of a killed run: never trusted, always redone
         (out / f"{sh['name']}.tar.partial").unlink(missing_ok=True)
     bar = Progress(sum(len(s["samples"]) for s in shards), enabled=progress)
@@ -158,6 +160,8 @@ def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], p
             if last:  # finish now, not when the next shard's first chunk arrives: a crash there keeps this one
                 done.append(writer.finish())
                 writer = None
+                if on_done is not None:
+                    on_done(done[-1])
     except BrokenProcessPool:
         raise WorkerDied(
             f"a worker process died (killed, or out of memory?) while writing "

@@ -159,3 +159,126 @@ def _probe_http(url: str, timeout_s: float = 30) -> None:
     req = urllib.request.Request(url, headers={"Range": "bytes=0-0"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         r.read(1)
+
+
+# ── Writing (prep's output) ──────────────────────────────────────────────────────────────────────
+# An object store has no rename: an object appears whole when its PUT (or its multipart upload's
+# completion) succeeds, and never before. So prep writes a shard to a local staging folder and puts
+# the finished file; nothing is ever written under a final name while it is incomplete.
+
+MIN_PART_SIZE = 5 * 2**20  # S3's smallest multipart part (all but the last)
+DEFAULT_PART_SIZE = 64 * 2**20
+
+
+def check_writable(address: str | os.PathLike, what: str) -> None:
+    """Fail with one line before prep starts when ``address`` cannot take its output: an http(s)
+    address (read-only), a missing bucket, a bucket these credentials may not use."""
+    address = str(address)
+    proto = scheme(address)
+    if proto in ("http", "https"):
+        raise AddressError(f"{what}: {public(address)}: http(s) addresses are read-only; write to a folder, "
+                           "s3:// or gs:// (and serve that)")
+    if proto == "file":
+        return
+    fs, path = filesystem(address)
+    bucket = path.split("/", 1)[0]
+    try:
+        fs.invalidate_cache(bucket)
+        fs.info(bucket)  # S3: HeadBucket; GCS: the bucket's metadata
+    except FileNotFoundError:
+        raise AddressError(f"{what}: {public(address)}: no such bucket {bucket!r}") from None
+    except Exception as e:  # noqa: BLE001 (each SDK has its own error classes; the reason says which)
+        raise AddressError(f"{what}: {public(address)}: bucket {bucket!r}: {reason(e)}") from None
+
+
+def _writable(address: str) -> None:
+    if scheme(address) in ("http", "https"):
+        raise AddressError(f"{public(address)}: http(s) addresses are read-only")
+
+
+def write_bytes(address: str | os.PathLike, data: bytes) -> None:
+    """Replace the object/file at ``address`` with ``data``, whole: a local file through a rename
+    (fsynced), an object with one PUT."""
+    address = str(address)
+    _writable(address)
+    if not is_remote(address):
+        from pipeline.files import atomic_write
+
+        atomic_write(address.removeprefix("file://"), data, fsync=True)
+        return
+    fs, path = filesystem(address)
+    fs.pipe_file(path, data)
+
+
+def put_file(local: str | os.PathLike, address: str | os.PathLike, part_size: int = DEFAULT_PART_SIZE) -> None:
+    """Upload the local file ``local`` as the object ``address``: one PUT below two parts, else a
+    multipart upload of ``part_size`` parts, which the store publishes only when it completes (and
+    s3fs aborts when a part fails)."""
+    address = str(address)
+    _writable(address)
+    if part_size < MIN_PART_SIZE:
+        raise ValueError(f"part size {part_size}: object stores take parts of at least {MIN_PART_SIZE} bytes")
+    if not is_remote(address):
+        import shutil
+
+        from pipeline.files import replacing
+
+        with replacing(address.removeprefix("file://"), fsync=True) as tmp:
+            shutil.copyfile(local, tmp)
+        return
+    fs, path = filesystem(address)
+    fs.put_file(str(local), path, chunksize=part_size)
+
+
+def remove(address: str | os.PathLike) -> None:
+    """Delete the object/file at ``address``; a missing one is fine."""
+    address = str(address)
+    _writable(address)
+    fs, path = filesystem(address)
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+
+
+def list_sizes(address: str | os.PathLike) -> dict[str, int]:
+    """{name: size} of the files/objects directly under the folder or prefix ``address`` (fresh, not
+    from a cached listing); {} when there is none."""
+    address = str(address)
+    if not is_remote(address):
+        folder = address.removeprefix("file://")
+        try:
+            return {e.name: e.stat().st_size for e in os.scandir(folder) if e.is_file()}
+        except FileNotFoundError:
+            return {}
+    fs, path = filesystem(address)
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries
+            if e.get("type") == "file"}
+
+
+# The one pair every file under a prep output goes through (plan, plan pieces, classes, stats,
+# rejects, _info.json), so a folder and an object store prefix take the same code.
+def read_file(folder: str | os.PathLike, name: str) -> bytes | None:
+    """The bytes of ``name`` under ``folder`` (a local folder or a prefix address); None when it does
+    not exist. Other errors (a 403, a dropped connection) are raised as they are."""
+    address = join(folder, name)
+    if not is_remote(address):
+        try:
+            with open(address.removeprefix("file://"), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+    try:
+        return read_bytes(address)
+    except FileNotFoundError:
+        return None
+
+
+def write_file(folder: str | os.PathLike, name: str, data: bytes) -> None:
+    """Write ``name`` under ``folder`` whole (see :func:`write_bytes`)."""
+    write_bytes(join(folder, name), data)

@@ -16,6 +16,7 @@ against `tarfile` (ustar, pax, GNU long names, 512-byte boundaries, empty member
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,20 +54,29 @@ def tar_member(name: str, data: bytes) -> bytes:
 
 class TarSink:
     """Append-only tar file: serialised members in, then two zero blocks + padding to 10 KiB at close
-    (fsynced: a renamed shard is on stable storage)."""
+    (fsynced: a renamed shard is on stable storage). ``sha256`` is the hash of every byte written
+    (hashed on the way out, not read back: the shard's checksum in its stats)."""
 
     def __init__(self, path: str | os.PathLike):
         self.f = open(Path(path), "wb")
         self.pos = 0
+        self.hash = hashlib.sha256()
 
     def add_members(self, raw: bytes) -> None:
         """Append already serialised members (see tar_member)."""
         self.f.write(raw)
+        self.hash.update(raw)
         self.pos += len(raw)
+
+    @property
+    def sha256(self) -> str:
+        return self.hash.hexdigest()
 
     def close(self) -> None:
         end = self.pos + 2 * BLOCK
-        self.f.write(b"\0" * (2 * BLOCK + (-end % RECORD)))
+        tail = b"\0" * (2 * BLOCK + (-end % RECORD))
+        self.f.write(tail)
+        self.hash.update(tail)
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()

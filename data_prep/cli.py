@@ -32,8 +32,9 @@ mistake (one line on stderr).
 """
 
 VERIFY_EPILOG = """\
-example:
+examples:
   vitp verify out/in1k --workers 8
+  vitp verify s3://bucket/in1k --workers 8        # each shard streamed, nothing downloaded to disk
 Exit status 0 when every shard decodes and all counts and hashes agree; 1 with the problems listed;
 2 a usage or input mistake (one line on stderr).
 """
@@ -118,26 +119,29 @@ def prep_main(argv: list[str]) -> int:
 def verify_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="vitp verify", description="Check prepared shards end to end.",
                                 epilog=VERIFY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="directory written by vitp prep")
+    p.add_argument("out", help="what vitp prep wrote: a folder, s3://bucket/prefix, gs://..., https://...")
     p.add_argument("--workers", type=int, default=1, help="processes reading shards (default 1)")
     args = p.parse_args(argv)
     if args.workers < 1:
         raise ValueError(f"--workers: must be >= 1; got {args.workers}")
+    from . import store
     from .checks import verify
-    from .schema import DatasetInfo
+    from .schema import INFO_FILE, DatasetInfo
 
+    shown = store.public(args.out)
+    if store.is_remote(args.out):  # a missing bucket, a 403, a 404: one line, exit 2, before any shard
+        store.check_readable(store.join(args.out, INFO_FILE), "vitp verify")
     problems = verify(args.out, workers=args.workers)
     for line in problems:
         print(line)
     if problems:
-        print(f"vitp verify: {len(problems)} problem(s) in {args.out}", file=sys.stderr)
+        print(f"vitp verify: {len(problems)} problem(s) in {shown}", file=sys.stderr)
         return 1
     # verify() has read every shard and found the counts of _info.json true: say them
-    info = DatasetInfo.read(args.out)
+    info = DatasetInfo.from_json(store.read_file(args.out, INFO_FILE).decode("utf-8"))
     splits = info.splits
     shards = sum(len(s.filenames) for s in splits.values())
     per_split = ", ".join(f"{name} {s.num_samples}" for name, s in splits.items())
-    print(f"vitp verify: {args.out} OK: {shards} shards, {sum(s.num_samples for s in splits.values())} samples "
+    print(f"vitp verify: {shown} OK: {shards} shards, {sum(s.num_samples for s in splits.values())} samples "
           f"({per_split}), {info.num_rejects or 0} rejects")
     return 0
-

@@ -29,6 +29,21 @@ def stop_on_term() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: stopping.request_stop("cancel"))
 
 
+def check_addresses(cfg) -> None:
+    """Every remote dataset the stage reads (data.path, eval.fewshot_data) answers, before anything is
+    queued or started: a missing bucket, a 403 or a 404 is one line naming the key, the address
+    (without its query string) and the reason (data_prep.store.AddressError, exit 2). Local folders
+    are checked, with their split names, by pipeline.data.check_splits."""
+    from data_prep import store
+    from data_prep.schema import INFO_FILE
+    from pipeline.config import fewshot_sets
+
+    fewshot = getattr(getattr(cfg, "eval", None), "fewshot_data", None) or []
+    for key, address in [("data.path", cfg.data.path), *(("eval.fewshot_data", a) for _, a in fewshot_sets(fewshot))]:
+        if address and store.is_remote(address):
+            store.check_readable(store.join(address, INFO_FILE), key)
+
+
 def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     """`vitp pretrain|transfer --config X.yaml [overrides]`: parse, validate (exit 2 before anything
     starts), run ``fn(cfg)`` in this process group; 143 (128 + SIGTERM) when a SIGTERM stopped it after
@@ -39,6 +54,7 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
     add_config_args(p)
     args = p.parse_args(argv)
     cfg = load_args_config(args, world_size=dist_env().world_size)
+    check_addresses(cfg)
     stop_on_term()
     try:
         result = fn(cfg)
@@ -89,9 +105,12 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 def eval_overrides(args: argparse.Namespace) -> list[str]:
     """`vitp eval` flags -> overrides of the evaluation stage's config (pipeline.config.EvalConfig)."""
+    from data_prep import store
     from pipeline.config import ConfigError
 
-    if not Path(args.data).exists() and not args.data.startswith("synthetic"):
+    if store.is_remote(args.data):
+        store.check_readable(store.join(args.data, "_info.json"), "--data")
+    elif not Path(args.data).exists() and not args.data.startswith("synthetic"):
         raise FileNotFoundError(f"--data {args.data}: no such dataset folder")
     try:
         shots = [int(s) for s in args.shots.split(",") if s.strip()]

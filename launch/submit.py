@@ -41,6 +41,7 @@ from .jobs import (  # noqa: F401 (cli table)
     wait,
 )
 from .preempt import STAGE_TARGETS, StageJob, stage_schema
+from .stages import check_addresses
 
 STAGES = ("prep", "pretrain", "transfer", "eval")
 
@@ -148,6 +149,7 @@ def check_data(cfg, stage: str) -> None:
         return
     if not path:
         raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
+    check_addresses(cfg)  # remote datasets answer (bucket, 403, 404) before their splits are read
     try:
         check_splits(path, splits_read(cfg, stage))
         for _name, folder in fewshot_sets(cfg.eval.fewshot_data) if stage != "eval" else []:  # in-run evaluators
@@ -430,7 +432,8 @@ def _prep_calls(args, cfg) -> tuple[list, list[StageJob]]:
     # The plan is written here, once: every task then reads the same deterministic shard list.
     total = prep(args.source, args.out, shard_range=(0, 0), progress=False, **kw)["shards_total"]
     ranges = split_shards(total, args.tasks)
-    common = {"source": str(Path(args.source).resolve()), "out": str(Path(args.out).resolve()),
+    out = args.out if "://" in args.out else str(Path(args.out).resolve())  # a bucket prefix stays as given
+    common = {"source": str(Path(args.source).resolve()), "out": out,
               "shard_ranges": ranges, "prep_kwargs": kw}
     calls = [StageJob("prep", _cfg_dict(cfg), kwargs={**common, "task": i}) for i in range(len(ranges))]
     return [cfg] * len(calls), calls

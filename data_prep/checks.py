@@ -82,7 +82,9 @@ def check_shard(path: str, num_classes: int, multi_label: bool = False) -> tuple
                 f = tar.extractfile(m)
                 samples[key][ext] = f.read() if f else b""
         stream.drain()  # the archive's padding after its end marker belongs to the hashed bytes
-    except (tarfile.TarError, OSError, EOFError) as e:
+    except (tarfile.TarError, EOFError) as e:
+        return 0, [], [f"{name}: unreadable tar ({e})"], {}
+    except OSError as e:  # an SDK's message may repeat the address with its query string: not printed
         return 0, [], [f"{name}: unreadable tar ({store.reason(e) if store.is_remote(path) else e})"], {}
     finally:
         if stream is not None:

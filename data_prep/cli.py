@@ -44,8 +44,15 @@ def parse_size(text: str) -> int:
     """'500MB' → 500_000_000, '64MiB' → 67_108_864, '1000' → 1000."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size like 500MB, 1GiB or 1000000")
+        raise argparse.ArgumentTypeError(f"--shard-size {text!r}: expected a size like 500MB, 1GiB or 1000000")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_part_size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"--part-size {text!r}: expected a size like 64MiB") from None
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -88,7 +95,7 @@ def _prep_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line on stderr")
     p.add_argument("--staging-dir", help="OUT in an object store: local folder where finished shards wait for "
                                          "their upload, a few at a time (default: the system temp folder)")
-    p.add_argument("--part-size", type=parse_size, default="64MiB",
+    p.add_argument("--part-size", type=parse_part_size, default="64MiB",
                    help="OUT in an object store: multipart upload part size, at least 5MiB (default 64MiB)")
     return p
 

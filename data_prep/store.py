@@ -207,7 +207,10 @@ def write_bytes(address: str | os.PathLike, data: bytes) -> None:
         atomic_write(address.removeprefix("file://"), data, fsync=True)
         return
     fs, path = filesystem(address)
-    fs.pipe_file(path, data)
+    try:
+        fs.pipe_file(path, data)
+    except Exception as e:  # noqa: BLE001 (each SDK has its own error classes; the reason says which)
+        raise AddressError(f"{public(address)}: cannot write: {reason(e)}") from None
 
 
 def put_file(local: str | os.PathLike, address: str | os.PathLike, part_size: int = DEFAULT_PART_SIZE) -> None:
@@ -265,7 +268,7 @@ def list_sizes(address: str | os.PathLike) -> dict[str, int]:
 # rejects, _info.json), so a folder and an object store prefix take the same code.
 def read_file(folder: str | os.PathLike, name: str) -> bytes | None:
     """The bytes of ``name`` under ``folder`` (a local folder or a prefix address); None when it does
-    not exist. Other errors (a 403, a dropped connection) are raised as they are."""
+    not exist. A remote read that fails otherwise (a 403, a dropped connection) is an AddressError."""
     address = join(folder, name)
     if not is_remote(address):
         try:
@@ -277,6 +280,8 @@ def read_file(folder: str | os.PathLike, name: str) -> bytes | None:
         return read_bytes(address)
     except FileNotFoundError:
         return None
+    except Exception as e:  # noqa: BLE001 (a 403, a dropped connection: one line naming the address)
+        raise AddressError(f"{public(address)}: cannot read: {reason(e)}") from None
 
 
 def write_file(folder: str | os.PathLike, name: str, data: bytes) -> None:

@@ -49,7 +49,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 # What 1 means for each command whose run can fail after it started (0 is success, 2 a usage, config
 # or input mistake, for every command).
 FAILED = {
-    "prep": "a worker process died (rerun the same command to resume)",
+    "prep": "a worker process died or an upload failed (rerun the same command to resume)",
     "verify": "problems found (listed on stdout)",
     "pretrain": "a failed run (a non-finite loss); 143: stopped by SIGTERM after a checkpoint (run it again "
                 "to resume)",
@@ -69,6 +69,7 @@ FAILED = {
 EXIT_CODES: tuple[tuple[str, str, int], ...] = (
     ("pipeline.train.loop", "NonFiniteLoss", 1),  # the run started and failed
     ("data_prep.shards", "WorkerDied", 1),
+    ("data_prep.upload", "UploadFailed", 1),
     ("launch.cli", "CommandFailed", 1),
     # a mistake in what was asked (nothing started, or nothing done is lost): fix it and run again
     ("pipeline.train.loop", "RunDirError", 2),

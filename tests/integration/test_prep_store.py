@@ -211,3 +211,20 @@ def test_credentials_reach_no_object_log_or_output(s3_bucket, corpus, tmp_path):
     assert secret not in r.stdout + r.stderr
     assert all(secret.encode() not in body(url, k) for k in objects(url))
     assert not [p for p in (tmp_path / "staging").rglob("*") if p.is_file()]
+
+
+def test_a_failed_upload_stops_prep_with_one_line(s3_bucket, tmp_path):
+    """The store refuses an upload (here: the bucket is gone): the first failure is raised once,
+    naming the object, and the shard's stats, the completion marker, are never sent."""
+    from data_prep import upload
+
+    folder = tmp_path / "staged"
+    folder.mkdir()
+    (folder / "train-000000.tar").write_bytes(b"\0" * 10240)
+    (folder / "train-000000_stats.json").write_text("{}")
+    with pytest.raises(upload.UploadFailed) as e:
+        with upload._Uploader(folder, "s3://no-such-bucket-vitp/ds", upload.store.MIN_PART_SIZE) as up:
+            up.submit({"shard": "train-000000.tar"})
+    assert str(e.value).startswith("s3://no-such-bucket-vitp/ds/train-000000.tar: upload failed: ")
+    assert "\n" not in str(e.value) and "rerun the same command" in str(e.value)
+    assert (folder / "train-000000_stats.json").exists()  # kept back: the tar never arrived

@@ -140,7 +140,7 @@ def finalize(out: str | os.PathLike) -> DatasetInfo | None:
     """
     plan = load_plan(out)
     pid = plan_id(plan)
-    done = complete_shards(out, plan["shards"], pid)
+    done = complete_shards(out, plan["shards"], pid, all_or_none=True)
     if len(done) < len(plan["shards"]):
         return None
     stats = [done[sh["name"]] for sh in plan["shards"]]

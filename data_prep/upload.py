@@ -39,25 +39,32 @@ def default_staging() -> str:
     return os.path.join(tempfile.gettempdir(), "vitp-prep-staging")
 
 
-def complete_shards(out: str | os.PathLike, shards: list[dict], pid: str) -> dict[str, dict]:
-    """{name: stats} of those planned ``shards`` that are complete in OUT (a folder or a prefix)."""
+def complete_shards(out: str | os.PathLike, shards: list[dict], pid: str, *, all_or_none: bool = False
+                    ) -> dict[str, dict]:
+    """{name: stats} of those planned ``shards`` that are complete in OUT (a folder or a prefix).
+    ``all_or_none`` (finalize): {} as soon as one is not, before reading any stats."""
     if not store.is_remote(out):
-        folder = Path(out)
-        return {s["name"]: json.loads(stats_path(folder, s["name"]).read_text(encoding="utf-8"))
-                for s in shards if shard_done(folder, s["name"], pid)}
+        folder, done = Path(out), {}
+        for s in shards:
+            if shard_done(folder, s["name"], pid):
+                done[s["name"]] = json.loads(stats_path(folder, s["name"]).read_text(encoding="utf-8"))
+            elif all_or_none:
+                return {}
+        return done
     sizes = store.list_sizes(out)  # one listing, not a request per shard
+    present = [s["name"] for s in shards if f"{s['name']}.tar" in sizes and f"{s['name']}_stats.json" in sizes]
+    if all_or_none and len(present) < len(shards):
+        return {}
+    stats = store.read_files(out, [f"{n}_stats.json" for n in present])
     done = {}
-    for s in shards:
-        tar, stats = f"{s['name']}.tar", f"{s['name']}_stats.json"
-        if tar not in sizes or stats not in sizes:
-            continue
+    for n in present:
         try:
-            st = json.loads(store.read_file(out, stats) or b"null")
+            st = json.loads(stats[f"{n}_stats.json"] or b"null")
         except ValueError:  # not JSON: not ours, make the shard again
             continue
-        if isinstance(st, dict) and st.get("plan_id") == pid and st.get("bytes") == sizes[tar]:
-            done[s["name"]] = st
-    return done
+        if isinstance(st, dict) and st.get("plan_id") == pid and st.get("bytes") == sizes[f"{n}.tar"]:
+            done[n] = st
+    return {} if all_or_none and len(done) < len(shards) else done
 
 
 def write_to_store(out: str, root: str, opts: ImageOptions, shards: list[dict], pid: str, workers: int,

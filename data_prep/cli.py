@@ -27,8 +27,8 @@ OUT may be an object store prefix (s3://bucket/prefix, gs://bucket/prefix; extra
 credentials from the SDK's own environment/profile chain): each shard is made in --staging-dir and
 uploaded when complete, its _stats.json after it (the marker a rerun trusts), _info.json last.
 
-Exit status 0 done; 1 a worker process died (rerun the same command to resume); 2 a usage or input
-mistake (one line on stderr).
+Exit status 0 done; 1 a worker process died or an upload failed (rerun the same command to resume);
+2 a usage or input mistake (one line on stderr).
 """
 
 VERIFY_EPILOG = """\

@@ -1,7 +1,7 @@
 """`prep()`: list → plan → write the (missing) shards → `finalize()` once every shard is complete.
 
 Output directory:
-  _plan.json                      the plan (written first)
+  _plan.json, _plan/              the plan's index and its pieces (written first; see plan.py)
   classes.json                    class names, index = position
   <split>-NNNNNN.tar              samples <key>.cls / <key>.jpg|png|webp / <key>.json
   <split>-NNNNNN_stats.json       count, bytes, rejects by reason, seconds (written last per shard)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -27,10 +28,20 @@ from pathlib import Path
 from pipeline.files import atomic_write
 
 from .images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageOptions
-from .plan import build_plan, load_plan, plan_id, write_or_check_plan
+from .plan import (
+    load_plan,
+    make_plan,
+    plan_id,
+    plan_rejects,
+    plan_request,
+    reusable_plan,
+    shard_names,
+    shards_in_range,
+    write_or_check_plan,
+)
 from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards
 from .shards import shard_done, stats_path, write_shards
-from .sources import list_source
+from .sources import open_source
 
 REJECTS_FILE = "rejects.jsonl"
 DEFAULT_MAX_SAMPLES_PER_SHARD = 5000
@@ -78,31 +89,31 @@ def prep(
     opts = ImageOptions(resize_shorter, resize_longer, quality, min_size, max_pixels, max_bytes, keep_original)
     if workers < 1:
         raise ValueError(f"workers={workers}: must be >= 1")
-    src = list_source(source, classes, path_column, label_column, split_column, labels_column)
     kwargs = dict(seed=seed, val_fraction=val_fraction, max_samples_per_shard=max_samples_per_shard,
                   shard_size_bytes=shard_size_bytes, image_options=opts.as_dict(), do_dedup=dedup)
-    if dedup and workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
-            plan = build_plan(src, map_fn=lambda f, xs: ex.map(f, xs, chunksize=64), **kwargs)
-    else:
-        plan = build_plan(src, **kwargs)
-    pid = write_or_check_plan(out, plan)
-    atomic_write(out / CLASSES_FILE, _json_bytes(plan["classes"]), fsync=True)
+    listing_args = (source, classes, path_column, label_column, split_column, labels_column)
+    # an array task (a shard range) reuses the plan its submitter stored for this very request, and
+    # so never lists the source; a whole run, or the submitter (0:0), plans and checks it against OUT's
+    index = reusable_plan(out, plan_request(*listing_args, **kwargs)) if shard_range not in (None, (0, 0)) else None
+    if index is None:
+        index = _plan(out, listing_args, kwargs, workers)
+    pid = plan_id(index)
+    atomic_write(out / CLASSES_FILE, _json_bytes(index["classes"]), fsync=True)
 
-    shards = plan["shards"]
-    start, stop = shard_range if shard_range is not None else (0, len(shards))
-    if not 0 <= start <= stop <= len(shards):
-        raise ValueError(f"shard_range=({start}, {stop}): plan has {len(shards)} shards")
-    todo = [s for s in shards[start:stop] if not shard_done(out, s["name"], pid)]
-    written = write_shards(out, plan["root"], opts, todo, pid, workers, progress)
+    n_shards = len(shard_names(index))
+    start, stop = shard_range if shard_range is not None else (0, n_shards)
+    if not 0 <= start <= stop <= n_shards:
+        raise ValueError(f"shard_range=({start}, {stop}): plan has {n_shards} shards")
+    todo = [s for s in shards_in_range(out, index, start, stop) if not shard_done(out, s["name"], pid)]
+    written = write_shards(out, index["root"], opts, todo, pid, workers, progress)
     info = finalize(out)
     seconds = time.perf_counter() - t0
     n_written = sum(s["planned"] for s in written)
     return {
         "out": str(out),
         "plan_id": pid,
-        "num_inputs": plan["num_inputs"],
-        "shards_total": len(shards),
+        "num_inputs": index["num_inputs"],
+        "shards_total": n_shards,
         "shards_written": len(written),
         "shards_skipped": (stop - start) - len(todo),
         "samples_written": sum(s["count"] for s in written),
@@ -116,35 +127,51 @@ def prep(
     }
 
 
+def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int) -> dict:
+    """List and plan the source in bounded memory (spilling to a temporary folder), store the plan in OUT."""
+    listing = open_source(*listing_args, sizes=bool(kwargs["shard_size_bytes"]))
+    request = plan_request(*listing_args, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="vitp-plan-") as scratch:
+        if kwargs["do_dedup"] and workers > 1:
+            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
+                index = make_plan(listing, scratch, map_fn=lambda f, xs: ex.map(f, xs, chunksize=64),
+                                  request=request, **kwargs)
+        else:
+            index = make_plan(listing, scratch, request=request, **kwargs)
+        write_or_check_plan(out, index, scratch)
+    return index
+
+
 def finalize(out: str | os.PathLike) -> DatasetInfo | None:
     """Write rejects.jsonl and _info.json if every planned shard is complete; else return None.
 
     Safe to call from several SLURM tasks at once: all write the same bytes through atomic renames.
     """
     out = Path(out)
-    plan = load_plan(out)
-    pid = plan_id(plan)
+    index = load_plan(out)
+    pid = plan_id(index)
+    names = shard_names(index)
     stats = []
-    for sh in plan["shards"]:
-        if not shard_done(out, sh["name"], pid):
+    for name, _ in names:
+        if not shard_done(out, name, pid):
             return None
-        stats.append(json.loads(stats_path(out, sh["name"]).read_text(encoding="utf-8")))
-    rejects = list(plan["rejects"]) + [r for st in stats for r in st["rejected"]]
+        stats.append(json.loads(stats_path(out, name).read_text(encoding="utf-8")))
+    rejects = plan_rejects(out, index) + [r for st in stats for r in st["rejected"]]
     by_reason: dict[str, int] = {}
     for r in rejects:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
     splits = {}
-    for name in plan["splits"]:
-        mine = [(sh, st) for sh, st in zip(plan["shards"], stats) if sh["split"] == name]
-        splits[name] = SplitShards(name, filenames=tuple(f"{sh['name']}.tar" for sh, _ in mine),
-                                   shard_lengths=tuple(st["count"] for _, st in mine),
-                                   num_samples=sum(st["count"] for _, st in mine))
+    for split in index["splits"]:
+        mine = [(name, st) for (name, s), st in zip(names, stats) if s == split]
+        splits[split] = SplitShards(split, filenames=tuple(f"{name}.tar" for name, _ in mine),
+                                    shard_lengths=tuple(st["count"] for _, st in mine),
+                                    num_samples=sum(st["count"] for _, st in mine))
     # no timings here, so a rerun gives the same bytes
     info = DatasetInfo(
-        splits, num_classes=len(plan["classes"]), classes=tuple(plan["classes"]),
-        multi_label=bool(plan.get("multi_label")), plan_id=pid, num_inputs=plan["num_inputs"],
-        num_rejects=len(rejects), rejects_by_reason=dict(sorted(by_reason.items())), seed=plan["seed"],
-        image_options=plan["image_options"], format_version=FORMAT_VERSION, digest=pid,
+        splits, num_classes=len(index["classes"]), classes=tuple(index["classes"]),
+        multi_label=bool(index.get("multi_label")), plan_id=pid, num_inputs=index["num_inputs"],
+        num_rejects=len(rejects), rejects_by_reason=dict(sorted(by_reason.items())), seed=index["seed"],
+        image_options=index["image_options"], format_version=FORMAT_VERSION, digest=pid,
     )
     lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
     atomic_write(out / REJECTS_FILE, lines.encode("utf-8"), fsync=True)

@@ -78,7 +78,7 @@ def main() -> None:
             out = tmp / f"out_{rows}"
             shutil.rmtree(out, ignore_errors=True)
             seconds, rss = plan_once(m, out)
-            plan_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "plan" in p.name)
+            plan_bytes = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and "_plan" in str(p.relative_to(out)))
             res[rows] = (seconds, rss)
             print(f"rows {rows}: plan {seconds:.1f} s, peak RSS {rss / 2**20:.0f} MiB, "
                   f"{seconds / rows * 1e6:.2f} µs/row, plan files {plan_bytes / 2**20:.1f} MiB", flush=True)

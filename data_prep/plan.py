@@ -384,7 +384,7 @@ def plan_request(source, classes, path_column: str, label_column: str, split_col
     A task that finds the same request in OUT's index reuses that plan without listing the source. An
     ImageFolder's change time is its top folder's: a file added deeper is seen by a whole run (which
     always plans again and compares), not by an array task."""
-    p = Path(source).absolute()
+    p = Path(source).resolve()  # the submitter and its tasks may spell the same path differently
     st = p.stat()
     names = load_classes(classes)
     return {"source": str(p), "size": st.st_size if p.is_file() else None, "mtime_ns": st.st_mtime_ns,

@@ -301,10 +301,12 @@ class _Columns:
     index: dict[str, int]
     as_index: bool
     sizes: bool
+    known: dict[str, tuple[int | None, str]] = field(default_factory=dict)  # label string → _resolve's answer
 
-
-def _labels_of(cols: _Columns, row: dict) -> list[str] | None:
-    return _cell_labels(row.get(cols.labels)) if cols.multi else [_text(row.get(cols.label))]
+    def resolve(self, label: str) -> tuple[int | None, str]:
+        if (got := self.known.get(label)) is None:
+            got = _resolve(label, self.as_index, self.names, self.index)
+        return got
 
 
 def _row_item(cols: _Columns, n: int, row: dict) -> Item | dict:
@@ -313,25 +315,33 @@ def _row_item(cols: _Columns, n: int, row: dict) -> Item | dict:
     where = rel or f"{cols.name}:row {n}"
     if not rel:
         return _reject(where, "bad_row", f"empty {cols.path!r}")
-    cell = _labels_of(cols, row)
+    if not cols.multi:  # the common case, short
+        label = _text(row.get(cols.label))
+        cls, why = cols.resolve(label) if label != "" else (None, "")
+        if cls is None:
+            return _reject(where, "bad_label", why or f"label {label!r} is not a known class")
+        return _item(cols, row, where, rel, cls, None)
+    cell = _cell_labels(row.get(cols.labels))
     if cell is None:
         return _reject(where, "bad_label", f"{cols.labels} {_text(row.get(cols.labels))!r}: not "
                                            "'a;b;c', a JSON list or a list of names/indices")
-    if cols.multi and not cell:
+    if not cell:
         return _reject(where, "bad_label", f"{cols.labels} is empty")
-    resolved = [_resolve(v, cols.as_index, cols.names, cols.index) if v != "" else (None, "") for v in cell]
+    resolved = [cols.resolve(v) if v != "" else (None, "") for v in cell]
     bad = next((why for c, why in resolved if c is None), None)
     if bad is not None:
         return _reject(where, "bad_label", bad or f"label {cell[0]!r} is not a known class")
     cls = resolved[0][0]
-    labels = None
-    if cols.multi:
-        labels = tuple(sorted({c for c, _ in resolved}))
-        primary = _text(row.get(cols.primary)) if cols.primary else ""
-        if primary != "":
-            cls, why = _resolve(primary, cols.as_index, cols.names, cols.index)
-            if cls is None or cls not in labels:
-                return _reject(where, "bad_label", why or f"{cols.primary} {primary!r} is not one of its {cols.labels}")
+    labels = tuple(sorted({c for c, _ in resolved}))
+    primary = _text(row.get(cols.primary)) if cols.primary else ""
+    if primary != "":
+        cls, why = cols.resolve(primary)
+        if cls is None or cls not in labels:
+            return _reject(where, "bad_label", why or f"{cols.primary} {primary!r} is not one of its {cols.labels}")
+    return _item(cols, row, where, rel, cls, labels)
+
+
+def _item(cols: _Columns, row: dict, where: str, rel: str, cls: int, labels: tuple | None) -> Item | dict:
     split = None
     if cols.split:
         split = str(row.get(cols.split) or "").strip()
@@ -371,24 +381,28 @@ def open_manifest(
     _require(manifest, have, [path_column, labels_column if multi else label_column, *extra])
     values: set[str] = set()
     for chunk in _row_chunks(manifest, [labels_column if multi else label_column], chunk_rows):
+        if not multi:
+            values.update([_text(r.get(label_column)) for r in chunk])
+            continue
         for r in chunk:
-            cell = _cell_labels(r.get(labels_column)) if multi else [_text(r.get(label_column))]
-            if cell:
-                values.update(v for v in cell if v != "")
+            if cell := _cell_labels(r.get(labels_column)):
+                values.update(cell)
+    values.discard("")
     class_names, as_index = _class_names(values, classes)
     cols = _Columns(root=str(manifest.parent), name=manifest.name, path=path_column, label=label_column,
                     labels=labels_column, split=split_column, multi=multi,
                     primary=label_column if multi and label_column in have else None, names=class_names,
                     index={c: i for i, c in enumerate(class_names)}, as_index=as_index, sizes=sizes)
+    cols.known = {v: cols.resolve(v) for v in values}  # every label string there is: resolved once, not per row
 
-    def entries() -> Iterator[Item | dict]:
+    def chunks() -> Iterator[Chunk]:
         n = 0
-        for chunk in _row_chunks(manifest, wanted, chunk_rows):
-            for row in chunk:
-                n += 1
-                yield _row_item(cols, n, row)
+        for rows in _row_chunks(manifest, wanted, chunk_rows):
+            got = [_row_item(cols, i, row) for i, row in enumerate(rows, n + 1)]
+            n += len(rows)
+            yield [g for g in got if not isinstance(g, dict)], [g for g in got if isinstance(g, dict)]
 
-    return Listing(cols.root, class_names, multi, lambda: _chunked(entries(), chunk_rows))
+    return Listing(cols.root, class_names, multi, chunks)
 
 
 def list_manifest(manifest: str | os.PathLike, classes: list[str] | None = None, path_column: str = "path",

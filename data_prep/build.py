@@ -34,9 +34,9 @@ from .plan import (
     plan_id,
     plan_rejects,
     plan_request,
+    planned_batches,
     reusable_plan,
     shard_names,
-    shards_in_range,
     write_or_check_plan,
 )
 from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards
@@ -104,8 +104,11 @@ def prep(
     start, stop = shard_range if shard_range is not None else (0, n_shards)
     if not 0 <= start <= stop <= n_shards:
         raise ValueError(f"shard_range=({start}, {stop}): plan has {n_shards} shards")
-    todo = [s for s in shards_in_range(out, index, start, stop) if not shard_done(out, s["name"], pid)]
-    written = write_shards(out, index["root"], opts, todo, pid, workers, progress)
+    written, skipped = [], 0
+    for batch in planned_batches(out, index, start, stop):  # a plan piece at a time: memory stays a piece's
+        todo = [s for s in batch if not shard_done(out, s["name"], pid)]
+        skipped += len(batch) - len(todo)
+        written += write_shards(out, index["root"], opts, todo, pid, workers, progress)
     info = finalize(out)
     seconds = time.perf_counter() - t0
     n_written = sum(s["planned"] for s in written)
@@ -115,7 +118,7 @@ def prep(
         "num_inputs": index["num_inputs"],
         "shards_total": n_shards,
         "shards_written": len(written),
-        "shards_skipped": (stop - start) - len(todo),
+        "shards_skipped": skipped,
         "samples_written": sum(s["count"] for s in written),
         "rejects_written": sum(len(s["rejected"]) for s in written),
         "complete": info is not None,

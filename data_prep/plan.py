@@ -29,7 +29,8 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from pipeline.files import atomic_write
@@ -129,17 +130,17 @@ class _Cutter:
         return closed
 
 
-def _sample(key: str, it: Item) -> list:
+def _sample(key: str, rel: str, cls: int, label: str, labels: tuple | None) -> list:
     # sample = [key, source path, class index, class name(, every class index: multi-label)]; keys
     # carry no dot (webdataset splits there)
-    return [key, it.rel, it.cls, it.label, *([list(it.labels)] if it.labels else [])]
+    return [key, rel, cls, label, list(labels)] if labels else [key, rel, cls, label]
 
 
 def plan_shards(items: list[Item], split: str, max_samples: int | None, max_bytes: int | None) -> list[dict]:
     """Cut a split into consecutive shards by sample count and/or (source) bytes (in memory)."""
     cutter, shards = _Cutter(max_samples, max_bytes), []
     for i, it in enumerate(items):
-        closed = cutter.add(_sample(f"{split}_{i:08d}", it), it.size)
+        closed = cutter.add(_sample(f"{split}_{i:08d}", it.rel, it.cls, it.label, it.labels), it.size)
         if closed:
             shards.append({"name": f"{split}-{len(shards):06d}", "split": split, "samples": closed})
     if last := cutter.flush():
@@ -162,8 +163,8 @@ class _SplitPieces:
         self.f = self.sha = None
         self.in_piece = 0
 
-    def add(self, it: Item) -> None:
-        closed = self.cutter.add(_sample(f"{self.split}_{self.samples:08d}", it), it.size)
+    def add(self, rel: str, cls: int, label: str, labels: tuple | None, size: int) -> None:
+        closed = self.cutter.add(_sample(f"{self.split}_{self.samples:08d}", rel, cls, label, labels), size)
         self.samples += 1
         if closed:
             self._shard(closed)
@@ -204,8 +205,8 @@ def _ordered_records(listing: Listing, scratch: str, seed_key: bytes, do_dedup: 
     def keep(items: list[Item]) -> None:
         nonlocal has_split
         order.add_many([_record(seed_key, it) for it in items])
-        for it in items:
-            per_class[it.cls] = per_class.get(it.cls, 0) + 1
+        for cls, n in Counter(it.cls for it in items).items():
+            per_class[cls] = per_class.get(cls, 0) + n
         has_split = has_split or any(it.split for it in items)
 
     by_bytes = Spill(os.path.join(scratch, "dedup")) if do_dedup else None
@@ -284,7 +285,7 @@ def make_plan(
                 if quota.get(cls, 0) > 0:
                     quota[cls] -= 1
                     split = val_name
-            split_of(split).add(Item(rel, classes[cls], cls, split, size, labels or None))
+            split_of(split).add(rel, cls, classes[cls], labels, size)
     rejects.sort(key=lambda r: (r["path"], r["reason"], r["detail"]))
     data = b"".join(_json_line(r) for r in rejects)
     Path(scratch, PIECES, "rejects.jsonl").write_bytes(data)
@@ -320,7 +321,7 @@ def build_plan(src: Source | Listing, *, seed: int, val_fraction: float, max_sam
         return {**index, "shards": shards_in_range(scratch, index, 0, n), "rejects": plan_rejects(scratch, index)}
 
 
-# --- the plan under OUT: every read and write of it goes through these two -----------------------------
+# --- the plan under OUT: every read and write of it goes through these three -----------------------------
 
 def write_piece(out: str | os.PathLike, name: str, data: bytes) -> None:
     atomic_write(Path(out) / name, data, fsync=True)
@@ -332,6 +333,10 @@ def read_piece(out: str | os.PathLike, name: str) -> bytes | None:
         return (Path(out) / name).read_bytes()
     except FileNotFoundError:
         return None
+
+
+def has_piece(out: str | os.PathLike, name: str) -> bool:
+    return (Path(out) / name).is_file()
 
 
 def plan_bytes(index: dict) -> bytes:
@@ -358,9 +363,9 @@ def write_or_check_plan(out: str | os.PathLike, index: dict, scratch: str) -> st
             f"{Path(out) / PLAN_FILE}: OUT already holds shards of a different plan (other inputs, seed or options); "
             "use a new output directory or delete it"
         )
-    if old is None:
-        files = [p["file"] for sp in index["splits"].values() for p in sp["pieces"]] + [index["rejects"]["file"]]
-        for name in files:
+    files = [p["file"] for sp in index["splits"].values() for p in sp["pieces"]] + [index["rejects"]["file"]]
+    for name in files:  # all of them the first time; later only those deleted since (a damaged one, say)
+        if old is None or not has_piece(out, name):
             write_piece(out, name, Path(scratch, name).read_bytes())
     if old is None or old.get("request") != index.get("request"):  # same plan: a task may now reuse it
         write_piece(out, PLAN_FILE, plan_bytes(index))
@@ -408,15 +413,15 @@ def shard_names(index: dict) -> list[tuple[str, str]]:
 def _piece(out, name: str, sha: str) -> bytes:
     data = read_piece(out, name)
     if data is None or hashlib.sha256(data).hexdigest() != sha:
-        why = "missing" if data is None else "damaged (its sha256 differs from the index's)"
+        why = "missing" if data is None else "damaged (its sha256 differs from the index's): delete it and"
         raise ValueError(f"{Path(out) / name}: plan piece {why}; rerun `vitp prep` without --shard-range")
     return data
 
 
-def shards_in_range(out: str | os.PathLike, index: dict, start: int, stop: int) -> list[dict]:
-    """Planned shards [start, stop) (indices in plan order), each {"name", "split", "samples"}; reads
-    only the pieces holding them."""
-    shards, offset = [], 0
+def planned_batches(out: str | os.PathLike, index: dict, start: int, stop: int) -> Iterator[list[dict]]:
+    """Planned shards [start, stop) (indices in plan order), each {"name", "split", "samples"}, one
+    piece's worth at a time (memory: a piece, never the plan); reads only the pieces holding them."""
+    offset = 0
     for _, sp in sorted(index["splits"].items()):
         lo, hi = max(start - offset, 0), min(stop - offset, sp["shards"])
         offset += sp["shards"]
@@ -427,10 +432,13 @@ def shards_in_range(out: str | os.PathLike, index: dict, start: int, stop: int) 
             end = pieces[k + 1]["first"] if k + 1 < len(pieces) else sp["shards"]
             if p["first"] >= hi or end <= lo:
                 continue
-            for i, line in enumerate(_piece(out, p["file"], p["sha256"]).splitlines(), p["first"]):
-                if lo <= i < hi:
-                    shards.append(json.loads(line))
-    return shards
+            lines = _piece(out, p["file"], p["sha256"]).splitlines()
+            yield [json.loads(line) for i, line in enumerate(lines, p["first"]) if lo <= i < hi]
+
+
+def shards_in_range(out: str | os.PathLike, index: dict, start: int, stop: int) -> list[dict]:
+    """Planned shards [start, stop) as one list (small plans, tests)."""
+    return [sh for batch in planned_batches(out, index, start, stop) for sh in batch]
 
 
 def plan_rejects(out: str | os.PathLike, index: dict) -> list[dict]:

@@ -227,6 +227,26 @@ def _row_chunks(path: Path, wanted: list[str], chunk_rows: int) -> Iterator[list
         raise ValueError(f"{path}: manifest must end in .csv, .jsonl or .parquet")
 
 
+def _column_chunks(path: Path, column: str, chunk_rows: int) -> Iterator[list]:
+    """One column's values, a chunk at a time (a CSV's without building a dict per row)."""
+    if path.suffix.lower() != ".csv":
+        for rows in _row_chunks(path, [column], chunk_rows):
+            yield [r.get(column) for r in rows]
+        return
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        i = next(reader, []).index(column)
+        chunk: list = []
+        for row in reader:
+            if row:
+                chunk.append(row[i] if i < len(row) else None)
+                if len(chunk) >= chunk_rows:
+                    yield chunk
+                    chunk = []
+        if chunk:
+            yield chunk
+
+
 def _columns(path: Path) -> list[str] | None:
     """The manifest's column names from its header or schema; None for JSONL (known only after a pass)."""
     suffix = path.suffix.lower()
@@ -380,12 +400,12 @@ def open_manifest(
     multi = labels_column in have
     _require(manifest, have, [path_column, labels_column if multi else label_column, *extra])
     values: set[str] = set()
-    for chunk in _row_chunks(manifest, [labels_column if multi else label_column], chunk_rows):
+    for chunk in _column_chunks(manifest, labels_column if multi else label_column, chunk_rows):
         if not multi:
-            values.update([_text(r.get(label_column)) for r in chunk])
+            values.update(map(_text, chunk))
             continue
-        for r in chunk:
-            if cell := _cell_labels(r.get(labels_column)):
+        for raw in chunk:
+            if cell := _cell_labels(raw):
                 values.update(cell)
     values.discard("")
     class_names, as_index = _class_names(values, classes)

@@ -1,4 +1,4 @@
-"""Planning at scale: the hash shuffle, the streamed stratified split, plan pieces, chunked manifests, bounded memory."""
+"""Planning at scale: hash shuffle, streamed stratified split, plan pieces, chunked manifests, bounded memory."""
 
 from __future__ import annotations
 
@@ -104,6 +104,7 @@ def test_an_array_task_reads_only_its_own_plan_pieces(bad_corpus, tmp_path, monk
     opened = []
     real = plan.read_piece
     monkeypatch.setattr(plan, "read_piece", lambda o, name: opened.append(name) or real(o, name))
+    real_open = build.open_source
     monkeypatch.setattr(build, "open_source", lambda *a, **k: pytest.fail("an array task listed the source"))
     s = build.prep(root, out, shard_range=(2, 4), **PREP)
     assert s["shards_written"] == 2 and set(opened) == {"_plan.json", keep}  # the index (again in finalize)
@@ -112,6 +113,14 @@ def test_an_array_task_reads_only_its_own_plan_pieces(bad_corpus, tmp_path, monk
     # a piece it needs is gone: one line naming it, nothing written
     with pytest.raises(ValueError, match=r"_plan/train-000000\.jsonl: plan piece missing"):
         build.prep(root, out, shard_range=(0, 1), **PREP)
+    # a whole run plans again and puts back the pieces deleted: the dataset comes out as the reference's
+    monkeypatch.setattr(build, "open_source", real_open)
+    s = build.prep(root, out, **PREP)
+    assert s["complete"] and s["shards_skipped"] == 2 and tree_bytes(out) == tree_bytes(ref)
+    piece = out / keep
+    piece.write_bytes(piece.read_bytes().replace(b"train_", b"trainX", 1))
+    with pytest.raises(ValueError, match=r"train-000001\.jsonl: plan piece damaged"):
+        build.prep(root, out, shard_range=(2, 4), **PREP)
 
 
 def test_array_task_with_other_options_refuses_and_keeps_the_plan(bad_corpus, tmp_path):  # noqa: F811
@@ -168,7 +177,8 @@ def test_planning_memory_is_bounded_by_a_chunk_not_the_manifest(tmp_path, monkey
         peak = tracemalloc.get_traced_memory()[1] - one
     finally:
         tracemalloc.stop()
-    assert index["splits"]["train"]["samples"] == n - 2000 and index["splits"]["val"]["samples"] == 2000  # 2 of 200 a class
+    splits = index["splits"]
+    assert splits["train"]["samples"] == n - 2000 and splits["val"]["samples"] == 2000  # 2 of 200 a class
     assert len(index["splits"]["train"]["pieces"]) == 99  # 2000 samples a piece
     # the items alone, held as a list, would take ~200 bytes each (40 MB); planning peaks at a few MB
     assert peak < 4 * 2**20, f"planning peaked at {peak / 2**20:.1f} MiB"

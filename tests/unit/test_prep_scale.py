@@ -183,3 +183,19 @@ def test_planning_memory_is_bounded_by_a_chunk_not_the_manifest(tmp_path, monkey
     # the items alone, held as a list, would take ~200 bytes each (40 MB); planning peaks at a few MB
     assert peak < 4 * 2**20, f"planning peaked at {peak / 2**20:.1f} MiB"
     shutil.rmtree(tmp_path / "scratch")
+
+
+def test_dedup_through_spill_files_keeps_the_first_path_of_each_content(tmp_path, monkeypatch):
+    monkeypatch.setattr(spill, "MAX_SORT_RECORDS", 2)  # every group of equal hashes meets across nested buckets
+    items = []
+    for i in range(30):
+        (tmp_path / f"{i:02d}.jpg").write_bytes(b"content %d" % (i % 10))
+        items.append(Item(f"{i:02d}.jpg", "a", 0))
+    for name in ("e1.jpg", "e2.jpg"):  # empty files are "empty", not duplicates of each other
+        (tmp_path / name).write_bytes(b"")
+        items.append(Item(name, "a", 0))
+    p = build_plan(Source(str(tmp_path), ["a"], items[::-1]), seed=0, val_fraction=0.0, do_dedup=True,
+                   max_samples_per_shard=4, shard_size_bytes=None, image_options={})
+    assert sorted(s[1] for s in _samples(p)) == [f"{i:02d}.jpg" for i in range(10)] + ["e1.jpg", "e2.jpg"]
+    assert p["rejects"] == [{"path": f"{i:02d}.jpg", "reason": "duplicate", "detail": f"same bytes as {i % 10:02d}.jpg"}
+                            for i in range(10, 30)]

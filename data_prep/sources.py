@@ -187,7 +187,8 @@ def _row_chunks(path: Path, wanted: list[str], chunk_rows: int) -> Iterator[list
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
             header = next(reader, [])
-            cols = [(c, header.index(c)) for c in dict.fromkeys(wanted) if c in header]
+            last = {h: i for i, h in enumerate(header)}  # a repeated column name: the last one (as DictReader)
+            cols = [(c, last[c]) for c in dict.fromkeys(wanted) if c in last]
             chunk: list[dict] = []
             for row in reader:
                 if not row:  # a blank line is no row (as csv.DictReader has it)
@@ -235,7 +236,7 @@ def _column_chunks(path: Path, column: str, chunk_rows: int) -> Iterator[list]:
         return
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
-        i = next(reader, []).index(column)
+        i = {h: i for i, h in enumerate(next(reader, []))}[column]
         chunk: list = []
         for row in reader:
             if row:

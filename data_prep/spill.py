@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 BITS = 8
 FLUSH_RECORDS = 100_000
-MAX_SORT_RECORDS = 500_000
+MAX_SORT_RECORDS = 200_000  # ~40 MB of tuples being sorted, at most
 _LEN = struct.Struct("<Q")
 
 

@@ -350,7 +350,13 @@ def plan_id(index: dict) -> str:
 
 def _stored_index(out) -> dict | None:
     data = read_piece(out, PLAN_FILE)
-    return None if data is None else json.loads(data)
+    if data is None:
+        return None
+    try:
+        index = json.loads(data)
+    except ValueError as e:  # a torn or foreign file: name it, do not guess
+        raise ValueError(f"{Path(out) / PLAN_FILE}: not a plan index ({e}); delete OUT or use a new one") from None
+    return index if isinstance(index, dict) else {}
 
 
 def write_or_check_plan(out: str | os.PathLike, index: dict, scratch: str) -> str:

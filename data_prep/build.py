@@ -1,7 +1,7 @@
 """`prep()`: list → plan → write the (missing) shards → `finalize()` once every shard is complete.
 
 Output directory:
-  _plan.json                      the plan (written first)
+  _plan.json, _plan/              the plan's index and its pieces (written first; see plan.py)
   classes.json                    class names, index = position
   <split>-NNNNNN.tar              samples <key>.cls / <key>.jpg|png|webp / <key>.json
   <split>-NNNNNN_stats.json       count, bytes, rejects by reason, seconds (written last per shard)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -26,10 +27,20 @@ from pathlib import Path
 
 from . import store
 from .images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageOptions
-from .plan import build_plan, load_plan, plan_id, write_or_check_plan
+from .plan import (
+    load_plan,
+    make_plan,
+    plan_id,
+    plan_rejects,
+    plan_request,
+    planned_batches,
+    reusable_plan,
+    shard_names,
+    write_or_check_plan,
+)
 from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards
 from .shards import shard_done, write_shards
-from .sources import list_source
+from .sources import open_source
 from .upload import complete_shards, write_to_store
 
 REJECTS_FILE = "rejects.jsonl"
@@ -89,38 +100,41 @@ def prep(
     opts = ImageOptions(resize_shorter, resize_longer, quality, min_size, max_pixels, max_bytes, keep_original)
     if workers < 1:
         raise ValueError(f"workers={workers}: must be >= 1")
-    src = list_source(source, classes, path_column, label_column, split_column, labels_column)
     kwargs = dict(seed=seed, val_fraction=val_fraction, max_samples_per_shard=max_samples_per_shard,
                   shard_size_bytes=shard_size_bytes, image_options=opts.as_dict(), do_dedup=dedup)
-    if dedup and workers > 1:
-        with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
-            plan = build_plan(src, map_fn=lambda f, xs: ex.map(f, xs, chunksize=64), **kwargs)
-    else:
-        plan = build_plan(src, **kwargs)
-    pid = write_or_check_plan(out, plan)
-    store.write_file(out, CLASSES_FILE, _json_bytes(plan["classes"]))
+    listing_args = (source, classes, path_column, label_column, split_column, labels_column)
+    # an array task (a shard range) reuses the plan its submitter stored for this very request, and
+    # so never lists the source; a whole run, or the submitter (0:0), plans and checks it against OUT's
+    index = reusable_plan(out, plan_request(*listing_args, **kwargs)) if shard_range not in (None, (0, 0)) else None
+    if index is None:
+        index = _plan(out, listing_args, kwargs, workers)
+    pid = plan_id(index)
+    store.write_file(out, CLASSES_FILE, _json_bytes(index["classes"]))
 
-    shards = plan["shards"]
-    start, stop = shard_range if shard_range is not None else (0, len(shards))
-    if not 0 <= start <= stop <= len(shards):
-        raise ValueError(f"shard_range=({start}, {stop}): plan has {len(shards)} shards")
-    if remote:
-        done = complete_shards(out, shards[start:stop], pid)
-        todo = [s for s in shards[start:stop] if s["name"] not in done]
-        written = write_to_store(out, plan["root"], opts, todo, pid, workers, progress, staging, part_size)
-    else:
-        todo = [s for s in shards[start:stop] if not shard_done(out, s["name"], pid)]
-        written = write_shards(out, plan["root"], opts, todo, pid, workers, progress)
+    n_shards = len(shard_names(index))
+    start, stop = shard_range if shard_range is not None else (0, n_shards)
+    if not 0 <= start <= stop <= n_shards:
+        raise ValueError(f"shard_range=({start}, {stop}): plan has {n_shards} shards")
+    written, skipped = [], 0
+    for batch in planned_batches(out, index, start, stop):  # a plan piece at a time: memory stays a piece's
+        if remote:
+            done = complete_shards(out, batch, pid)
+            todo = [s for s in batch if s["name"] not in done]
+            written += write_to_store(out, index["root"], opts, todo, pid, workers, progress, staging, part_size)
+        else:
+            todo = [s for s in batch if not shard_done(out, s["name"], pid)]
+            written += write_shards(out, index["root"], opts, todo, pid, workers, progress)
+        skipped += len(batch) - len(todo)
     info = finalize(out)
     seconds = time.perf_counter() - t0
     n_written = sum(s["planned"] for s in written)
     return {
         "out": store.public(out),
         "plan_id": pid,
-        "num_inputs": plan["num_inputs"],
-        "shards_total": len(shards),
+        "num_inputs": index["num_inputs"],
+        "shards_total": n_shards,
         "shards_written": len(written),
-        "shards_skipped": (stop - start) - len(todo),
+        "shards_skipped": skipped,
         "samples_written": sum(s["count"] for s in written),
         "rejects_written": sum(len(s["rejected"]) for s in written),
         "complete": info is not None,
@@ -132,34 +146,50 @@ def prep(
     }
 
 
+def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int) -> dict:
+    """List and plan the source in bounded memory (spilling to a temporary folder), store the plan in OUT."""
+    listing = open_source(*listing_args, sizes=bool(kwargs["shard_size_bytes"]))
+    request = plan_request(*listing_args, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="vitp-plan-") as scratch:
+        if kwargs["do_dedup"] and workers > 1:
+            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
+                index = make_plan(listing, scratch, map_fn=lambda f, xs: ex.map(f, xs, chunksize=64),
+                                  request=request, **kwargs)
+        else:
+            index = make_plan(listing, scratch, request=request, **kwargs)
+        write_or_check_plan(out, index, scratch)
+    return index
+
+
 def finalize(out: str | os.PathLike) -> DatasetInfo | None:
     """Write rejects.jsonl and _info.json if every planned shard is complete; else return None.
 
     Safe to call from several SLURM tasks at once: all write the same bytes, each file whole (atomic
     renames in a folder, single PUTs in an object store).
     """
-    plan = load_plan(out)
-    pid = plan_id(plan)
-    done = complete_shards(out, plan["shards"], pid, all_or_none=True)
-    if len(done) < len(plan["shards"]):
+    index = load_plan(out)
+    pid = plan_id(index)
+    names = shard_names(index)
+    done = complete_shards(out, [{"name": name} for name, _ in names], pid, all_or_none=True)
+    if len(done) < len(names):
         return None
-    stats = [done[sh["name"]] for sh in plan["shards"]]
-    rejects = list(plan["rejects"]) + [r for st in stats for r in st["rejected"]]
+    stats = [done[name] for name, _ in names]
+    rejects = plan_rejects(out, index) + [r for st in stats for r in st["rejected"]]
     by_reason: dict[str, int] = {}
     for r in rejects:
         by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
     splits = {}
-    for name in plan["splits"]:
-        mine = [(sh, st) for sh, st in zip(plan["shards"], stats) if sh["split"] == name]
-        splits[name] = SplitShards(name, filenames=tuple(f"{sh['name']}.tar" for sh, _ in mine),
-                                   shard_lengths=tuple(st["count"] for _, st in mine),
-                                   num_samples=sum(st["count"] for _, st in mine))
+    for split in index["splits"]:
+        mine = [(name, st) for (name, s), st in zip(names, stats) if s == split]
+        splits[split] = SplitShards(split, filenames=tuple(f"{name}.tar" for name, _ in mine),
+                                    shard_lengths=tuple(st["count"] for _, st in mine),
+                                    num_samples=sum(st["count"] for _, st in mine))
     # no timings here, so a rerun gives the same bytes
     info = DatasetInfo(
-        splits, num_classes=len(plan["classes"]), classes=tuple(plan["classes"]),
-        multi_label=bool(plan.get("multi_label")), plan_id=pid, num_inputs=plan["num_inputs"],
-        num_rejects=len(rejects), rejects_by_reason=dict(sorted(by_reason.items())), seed=plan["seed"],
-        image_options=plan["image_options"], format_version=FORMAT_VERSION, digest=pid,
+        splits, num_classes=len(index["classes"]), classes=tuple(index["classes"]),
+        multi_label=bool(index.get("multi_label")), plan_id=pid, num_inputs=index["num_inputs"],
+        num_rejects=len(rejects), rejects_by_reason=dict(sorted(by_reason.items())), seed=index["seed"],
+        image_options=index["image_options"], format_version=FORMAT_VERSION, digest=pid,
     )
     lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
     store.write_file(out, REJECTS_FILE, lines.encode("utf-8"))

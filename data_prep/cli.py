@@ -91,7 +91,9 @@ def _prep_parser() -> argparse.ArgumentParser:
                    help="always re-encode as JPEG (default: keep RGB JPEG/PNG/WebP bytes that need no change)")
     p.add_argument("--dedup", action="store_true", help="reject files whose bytes equal an earlier file's")
     p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
-    p.add_argument("--shard-range", type=parse_range, help="only these planned shards, START:STOP (job arrays)")
+    p.add_argument("--shard-range", type=parse_range,
+                   help="only these planned shards, START:STOP (job arrays; 0:0 only plans); a task reuses "
+                        "OUT's plan when it was made for the same source and options")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line on stderr")
     p.add_argument("--staging-dir", help="OUT in an object store: local folder where finished shards wait for "
                                          "their upload, a few at a time (default: the system temp folder)")

@@ -133,8 +133,9 @@ def bad_corpus(tmp_path_factory) -> tuple[Path, dict[str, str | None]]:
 
 
 def tree_bytes(out: Path) -> dict[str, bytes]:
-    """Every file that must be byte-identical between equivalent runs (timings live only in *_stats.json)."""
-    return {p.name: p.read_bytes() for p in sorted(out.iterdir())
+    """Every file that must be byte-identical between equivalent runs (timings live only in *_stats.json),
+    the plan's pieces (``_plan/``) included, by path under ``out``."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
             if p.is_file() and not p.name.endswith("_stats.json")}
 
 

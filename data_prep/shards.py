@@ -81,12 +81,14 @@ class _ShardWriter:
         self.tmp = out / f"{self.name}.tar.partial"
         self.tar = TarSink(self.tmp)
         self.count, self.rejects, self.t0 = 0, [], time.perf_counter()
+        self.offsets: list[int] = []  # byte offset of each sample's first member: a reader seeks there to resume
 
     def add(self, result: tuple) -> None:
         if result[0] == "reject":
             _, rel, reason, detail = result
             self.rejects.append({"path": rel, "reason": reason, "detail": detail})
             return
+        self.offsets.append(self.tar.pos)
         self.tar.add_members(result[1])
         self.count += 1
 
@@ -100,7 +102,7 @@ class _ShardWriter:
         stats = {
             "shard": f"{self.name}.tar", "plan_id": self.pid, "planned": self.planned, "count": self.count,
             "bytes": final.stat().st_size, "rejects": dict(sorted(by_reason.items())), "rejected": self.rejects,
-            "seconds": round(time.perf_counter() - self.t0, 3),
+            "seconds": round(time.perf_counter() - self.t0, 3), "offsets": self.offsets,
         }
         atomic_write(stats_path(self.out, self.name), json.dumps(stats, indent=1, sort_keys=True).encode(), fsync=True)
         return stats

@@ -66,9 +66,10 @@ def join(base: str | os.PathLike, name: str) -> str:
 
 
 @functools.cache
-def _filesystem(proto: str, read_timeout_s: float | None = None, pid: int = 0):
-    """One filesystem per (protocol, read timeout, process): fsspec's async filesystems refuse to run
-    in a forked child (a loader worker), so a child makes its own. With ``read_timeout_s`` the SDK's
+def _filesystem(proto: str, read_timeout_s: float | None = None, pid: int = 0, endpoint: str | None = None):
+    """One filesystem per (protocol, read timeout, process, S3 endpoint): fsspec's async filesystems
+    refuse to run in a forked child (a loader worker), so a child makes its own; one made before
+    ``AWS_ENDPOINT_URL`` changed would still talk to the old endpoint. With ``read_timeout_s`` the SDK's
     own retries are off: the caller (the loader's shard stream) is the one retry policy, and a read
     that gets no bytes for that long fails instead of hanging."""
     import fsspec
@@ -85,7 +86,7 @@ def _filesystem(proto: str, read_timeout_s: float | None = None, pid: int = 0):
     elif read_timeout_s is not None and proto == "gs":
         kw["requests_timeout"] = read_timeout_s
     try:
-        fs = fsspec.filesystem(proto, skip_instance_cache=read_timeout_s is not None, **kw)
+        fs = fsspec.filesystem(proto, skip_instance_cache=True, **kw)
     except ImportError as e:
         extra = EXTRA_OF.get(proto)
         hint = f"pip install 'vitp[{extra}]'" if extra else "its fsspec implementation is not installed"
@@ -102,7 +103,8 @@ def filesystem(address: str | os.PathLike, read_timeout_s: float | None = None):
     proto = scheme(address)
     if proto == "file":
         return _filesystem("file"), os.path.abspath(address.removeprefix("file://"))
-    fs = _filesystem(proto, read_timeout_s, os.getpid())
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL")) if proto == "s3" else None
+    fs = _filesystem(proto, read_timeout_s, os.getpid(), endpoint)
     if proto in ("http", "https"):
         return fs, address  # the HTTP filesystem takes whole URLs (the query is part of the object's name)
     return fs, fs._strip_protocol(address)
@@ -140,9 +142,10 @@ def size(address: str | os.PathLike) -> int:
 
 
 def open_read(address: str | os.PathLike, start: int = 0, read_timeout_s: float | None = None,
-              block_size: int = 1 << 22) -> IO[bytes]:
+              block_size: int = 1 << 22, cache_type: str = "readahead") -> IO[bytes]:
     """A binary stream of the object from byte ``start``: a local file is seeked; a remote object is
-    read as a stream of ranged reads of ``block_size`` bytes (no download to disk).
+    read as a stream of ranged reads of ``block_size`` bytes (no download to disk; ``cache_type``
+    "none": each ``read(n)`` is one ranged read of n bytes, for a caller that reads whole blocks).
 
     No retry here: a caller that must survive network faults wraps it (pipeline.data.stream), and
     passes ``read_timeout_s`` so that a stalled read fails (and the SDK does not retry on its own).
@@ -152,7 +155,7 @@ def open_read(address: str | os.PathLike, start: int = 0, read_timeout_s: float 
         f = open(path, "rb", buffering=1 << 16)
         f.seek(start)
         return f
-    f = fs.open(path, "rb", block_size=block_size, cache_type="readahead")
+    f = fs.open(path, "rb", block_size=block_size, cache_type=cache_type)
     if start:
         f.seek(start)
     return f

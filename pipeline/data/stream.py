@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from data_prep import store
 
 ON_READ_ERROR = ("skip", "stop")
+BLOCK, DEPTH = 1 << 20, 4  # bytes per ranged read; blocks read ahead (a stream holds <= DEPTH + 1 blocks)
 _BYTES = {"bytes": 0, "t0": None}  # this process's remote bytes read, and when the first read began
 
 
@@ -75,10 +76,12 @@ def _fatal(e: BaseException) -> bool:
 
 class ShardStream:
     """A remote object from byte ``start`` as a read-only stream (``read(n)``, ``close()``, a context
-    manager). Memory is bounded by ``(depth + 1) × block`` bytes."""
+    manager). Memory is bounded by ``(depth + 1) × block`` bytes (module defaults BLOCK, DEPTH)."""
 
-    def __init__(self, address: str, start: int, policy: ReadPolicy, block: int = 1 << 22, depth: int = 2):
-        self.address, self.policy, self.block = address, policy, block
+    def __init__(self, address: str, start: int, policy: ReadPolicy, block: int | None = None,
+                 depth: int | None = None):
+        self.address, self.policy, self.block = address, policy, block or BLOCK
+        depth = depth or DEPTH
         self._q: queue.Queue = queue.Queue(depth)
         self._stop = threading.Event()
         self._buf, self._off, self._eof = b"", 0, False
@@ -95,7 +98,7 @@ class ShardStream:
             while not self._stop.is_set():
                 try:
                     if f is None:
-                        f = store.open_read(self.address, pos, self.policy.timeout_s, self.block)
+                        f = store.open_read(self.address, pos, self.policy.timeout_s, self.block, cache_type="none")
                     b = f.read(self.block)
                 except Exception as e:  # noqa: BLE001 (each SDK has its own errors; store.reason names them)
                     f = _close(f)

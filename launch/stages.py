@@ -70,7 +70,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (pretrain/transfer), a DeepSpeed checkpoint folder, or a weights file "
                         "(vitp .safetensors; timm .pth/.safetensors or JAX .npz need --model)")
-    p.add_argument("--data", required=True, help="a `vitp prep` output folder")
+    p.add_argument("--data", required=True, help="a `vitp prep` output: a folder, s3://, gs:// or https:// address")
     p.add_argument("--split", default="val", help="split to score (default: val)")
     p.add_argument("--fewshot", action="store_true", help="few-shot linear evaluation (train split -> --split)")
     p.add_argument("--shots", default="1,5,10,25", help="few-shot shots per class (default: 1,5,10,25)")
@@ -89,9 +89,11 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
 
 def eval_overrides(args: argparse.Namespace) -> list[str]:
     """`vitp eval` flags -> overrides of the evaluation stage's config (pipeline.config.EvalConfig)."""
+    from data_prep import store
     from pipeline.config import ConfigError
 
-    if not Path(args.data).exists() and not args.data.startswith("synthetic"):
+    remote = store.is_remote(args.data)  # an s3://, gs://, https:// address is checked when it is read
+    if not remote and not Path(args.data).exists() and not args.data.startswith("synthetic"):
         raise FileNotFoundError(f"--data {args.data}: no such dataset folder")
     try:
         shots = [int(s) for s in args.shots.split(",") if s.strip()]

@@ -9,7 +9,11 @@ from the local folder.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -26,6 +30,8 @@ from pipeline.data.stream import ReadPolicy
 from tests.data_prep_fixtures import jpeg_bytes, natural_image
 from tests.fault_proxy import FaultProxy, Faults
 
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
 FAST = ReadPolicy(timeout_s=1.0, retries=4, backoff_s=0.01)  # the tests' faults come often and go at once
 
 
@@ -206,3 +212,64 @@ def test_http_dataset_evaluates_as_its_folder(prepped, http_folder):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert read_info(base).splits["val"].num_samples == 9
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    """A small random ViT (3 classes, 32 px) as vitp safetensors: enough to compare numbers."""
+    from pipeline.model import build_vit
+    from pipeline.weights import save_model
+
+    torch.manual_seed(0)
+    m = build_vit(width=32, depth=2, heads=2, mlp_dim=64, patch=8, img_size=32, num_classes=3)
+    return save_model(m, tmp_path_factory.mktemp("w") / "model.safetensors")
+
+
+def vitp(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.timeout(600)
+def test_vitp_eval_over_http_scores_as_over_the_folder(prepped, weights, http_folder, tmp_path):
+    """`vitp eval --data http://...` (nginx serving the prep output): top-1 and few-shot numbers equal
+    those of `--data FOLDER`."""
+    base = http_folder(prepped.parent) + "/" + prepped.name
+    results = {}
+    for name, data in (("folder", str(prepped)), ("http", base)):
+        r = vitp("eval", "--checkpoint", str(weights), "--data", data, "--split", "val", "--fewshot", "--shots", "1,2",
+                 "--seeds", "2", "--batch", "8", "--out", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr[-2000:]
+        res = json.loads((tmp_path / name / "results.json").read_text())
+        results[name] = {k: v for k, v in res.items() if not k.endswith(("_per_s", "seconds", "artifacts"))}
+    assert results["http"] == results["folder"]
+    assert results["http"]["eval/val/n"] == 9.0 and any(k.startswith("eval/fewshot") for k in results["http"])
+
+
+def test_fewshot_evaluators_over_http_match_the_folder(prepped, weights, http_folder, tmp_path):
+    """`eval.fewshot_data` entries that are https:// addresses: the periodic few-shot evaluators of a
+    run give the numbers they give over the same folder (its val split serving as `test`)."""
+    from pipeline.config import load_config
+    from pipeline.model import build_vit
+    from pipeline.train.evaluators import FewshotEvaluators
+
+    few = tmp_path / "few"
+    shutil.copytree(prepped, few)
+    info = json.loads((few / "_info.json").read_text())
+    info["splits"]["test"] = {**info["splits"].pop("val"), "name": "test"}
+    (few / "_info.json").write_text(json.dumps(info))
+    base = http_folder(tmp_path) + "/few"
+    net = build_vit(width=32, depth=2, heads=2, mlp_dim=64, patch=8, img_size=32, num_classes=3)
+    from safetensors.torch import load_file
+
+    net.load_state_dict(load_file(str(weights)))
+    net.eval()
+    got = {}
+    for name, path in (("folder", str(few)), ("http", base)):
+        cfg = load_config(TINY, ["data.path=synthetic:train=8", f"eval.fewshot_data=[few={path}]",
+                                 "eval.fewshot_shots=[1,2]", "eval.fewshot_seeds=2", "model.width=32", "model.depth=2",
+                                 "model.heads=2", "model.mlp_dim=64", "model.patch=8"], world_size=1)
+        ev = FewshotEvaluators(cfg, net, torch.device("cpu"), torch.float32, last_step=1)
+        got[name] = {k: v for k, v in ev.run(1).items() if not k.endswith("seconds")}
+    assert got["http"] == got["folder"] and len(got["http"]) >= 2

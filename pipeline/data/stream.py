@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from data_prep import store
 
 ON_READ_ERROR = ("skip", "stop")
-BLOCK, DEPTH = 1 << 20, 4  # bytes per ranged read; blocks read ahead (a stream holds <= DEPTH + 1 blocks)
+BLOCK, DEPTH = 4 << 20, 2  # bytes per ranged read; blocks read ahead (a stream holds <= DEPTH + 1 blocks)
 _BYTES = {"bytes": 0, "t0": None}  # this process's remote bytes read, and when the first read began
 
 

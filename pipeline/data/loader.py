@@ -182,7 +182,19 @@ def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
     """The dataset's items through ``workers`` processes (0: in this process), as tensors."""
     src = ds if workers <= 0 else DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker,
                                              collate_fn=collate_as_is, pin_memory=pin_memory, persistent_workers=False)
-    return map(_unwire, src)
+    return _one_line_errors(map(_unwire, src))
+
+
+def _one_line_errors(batches):
+    """A DataError raised in a worker reaches this process wrapped by torch in a multi-line message
+    (the worker's traceback); the run stops with the one line the worker meant."""
+    try:
+        yield from batches
+    except DataError as e:
+        lines = str(e).strip().splitlines()
+        if len(lines) <= 1:
+            raise
+        raise DataError(lines[-1].split(": ", 1)[-1]) from None
 
 
 # ── Training ───────────────────────────────────────────────────────────────────────────────────────

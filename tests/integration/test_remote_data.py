@@ -149,6 +149,14 @@ def test_a_shard_that_never_answers_is_skipped_and_counted_or_stops_the_run(prep
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith(f"{remote}/train-000002.tar: unreadable after 2 tries at byte 0")
         assert msg.endswith("(data.on_read_error: stop)")
+
+        # a training run's loader workers: the run stops with the same one line
+        cfg = DataCfg(path=remote, workers=2, read_timeout_s=1, read_retries=0, on_read_error="stop")
+        ld = TrainLoader(cfg, img_size=32, micro_batch=4, global_batch=8, rank=0, world_size=1, seed=0)
+        with pytest.raises(DataError) as e:
+            list(ld)
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(f"{remote}/train-000002.tar: unreadable after 1 tries at byte")
     finally:
         proxy.close()
 

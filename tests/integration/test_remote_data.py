@@ -25,7 +25,15 @@ import torch
 from pipeline.config import DataCfg
 from pipeline.data import stream
 from pipeline.data.loader import TrainLoader
-from pipeline.data.shards import DataError, SkipCounts, read_info, read_positions, read_shard, shard_offsets
+from pipeline.data.shards import (
+    DataError,
+    SkipCounts,
+    open_shard,
+    read_info,
+    read_positions,
+    read_shard,
+    shard_offsets,
+)
 from pipeline.data.stream import ReadPolicy
 from tests.data_prep_fixtures import jpeg_bytes, natural_image
 from tests.fault_proxy import FaultProxy, Faults
@@ -170,6 +178,10 @@ def test_a_mid_shard_read_starts_at_the_samples_byte_offset(prepped, remote, s3_
     stats = json.loads((prepped / "train-000001_stats.json").read_text())
     assert offsets == tuple(stats["offsets"]) and len(offsets) == stats["count"] == 10 and offsets[0] == 0
     scan = list(read_shard(local, SkipCounts(), 0, None, num_classes=3))
+    opened = open_shard(local, 7)  # a local file seeks there too
+    assert (opened.index, opened.f.tell()) == (7, offsets[7])
+    opened.f.close()
+    assert list(read_shard(local, SkipCounts(), 7, None, num_classes=3)) == scan[7:]
     proxy = through(monkeypatch, s3_server, Faults())
     try:
         got = list(read_shard(url, SkipCounts(), 7, None, num_classes=3, policy=FAST))

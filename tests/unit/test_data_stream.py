@@ -45,3 +45,12 @@ def test_backoff_doubles_is_capped_and_jittered():
         base = min(10.0, 0.25 * 2 ** (k - 1))
         got = [w[k - 1] for w in waits]
         assert all(base / 2 <= x <= base for x in got) and len(set(got)) > 1  # jitter: not in step
+
+
+def test_a_signed_address_is_tracked_without_its_secret():
+    from pipeline.data.loader import ShardSource
+
+    src = ShardSource("https://data.example.org/sets/shards?X-Amz-Signature=secret&X-Amz-Credential=k")
+    assert src.source_fields() == {"uri": "https://data.example.org/sets/shards"}
+    assert src.dataset_name() == "shards"
+    assert ShardSource("s3://bucket/ds/").dataset_name() == "ds"

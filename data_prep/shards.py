@@ -2,7 +2,8 @@
 
 Stream shape: planned samples → chunks of 8-32 samples → worker processes (decode/resize/encode)
 → results in plan order → the main process appends them to `<shard>.tar.partial` → rename to
-`<shard>.tar` → `<shard>_stats.json` last (its presence marks the shard complete).
+`<shard>.tar` → `<shard>_stats.json` last (its presence marks the shard complete; it records each
+sample's byte offset, where a reader resumes mid-shard with a ranged read).
 """
 
 from __future__ import annotations

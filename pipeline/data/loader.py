@@ -50,10 +50,10 @@ from .augment import (
     augment_batch,
     eval_batch,
     normalize,
-    replay_shuffle,
     sample_seed,
     shuffle_buffer,
 )
+from .resume import dropping, resumed
 from .shards import (  # noqa: F401 (re-exported: callers import the dataset API from here)
     SKIP_REASONS,
     DataError,
@@ -216,7 +216,7 @@ class StreamSpec:
     hflip: bool
     randaugment: str | None
     policy: ReadPolicy = ReadPolicy()  # remote reads: timeout, retries, skip or stop
-    seek_resume: bool = True  # resume by replaying the shuffle on positions and seeking (see _resumed)
+    seek_resume: bool = True  # resume by replaying the shuffle on positions and seeking (resume.py)
 
     def quota_start(self, stream: int, n: int) -> int:
         """Where (rank, stream) of ``n`` streams starts in the epoch's sample sequence."""
@@ -260,7 +260,7 @@ def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, coun
                 skip: int = 0) -> Iterator:
     """Endless raw samples of (rank, stream) for this epoch after the first ``skip``: its range, then
     (if bad samples left it short) the range again with a new shuffle; resampled mode draws shards
-    with replacement. A resume (``skip`` > 0) seeks to where the stream was (:func:`_resumed`), or,
+    with replacement. A resume (``skip`` > 0) seeks to where the stream was (:func:`.resume.resumed`), or,
     where that cannot be exact, reads the first ``skip`` samples again and drops them."""
     seed, rank, sp, K, ml = p.seed, p.rank, p.split, p.num_classes, p.multi_label
     lengths, urls = list(sp.lengths), sp.urls
@@ -278,7 +278,7 @@ def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, coun
                 if not got:
                     raise DataError(f"{sp.name}: {len(urls)} shards drawn in a row held no readable sample")
 
-        yield from _dropping(shuffle_buffer(draws(), p.shuffle_buffer,
+        yield from dropping(shuffle_buffer(draws(), p.shuffle_buffer,
                                             np.random.default_rng([seed, epoch, rank, stream, 2])), skip, counts)
         return
     order = np.random.default_rng([seed, epoch, 0]).permutation(len(urls))
@@ -288,7 +288,7 @@ def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, coun
         counts.rereading = rnd > 0
         rng = np.random.default_rng([seed, epoch, rank, stream, 3, rnd])
         if rnd == 0 and skip and p.seek_resume:
-            items, got, skip = _resumed(p, segs, counts, rng, skip), skip, 0
+            items, got, skip = resumed(p, segs, counts, rng, skip), skip, 0
         else:
             items = shuffle_buffer(read_segments(urls, lengths, segs, counts, **kw), p.shuffle_buffer, rng)
         for x in items:
@@ -302,64 +302,6 @@ def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, coun
         if not got:
             raise DataError(f"{sp.name}: rank {rank} stream {stream} found no readable sample in its shards "
                             f"{sorted({store.public(urls[s]) for s, _, _ in segs})}")
-
-
-def _dropping(items: Iterator, skip: int, counts: SkipCounts) -> Iterator:
-    """``items`` after the first ``skip`` (read again, not counted again: counted before the checkpoint)."""
-    counts.active = skip == 0
-    for x in items:
-        if skip:
-            skip -= 1
-            counts.active = skip == 0
-            continue
-        yield x
-
-
-def _resumed(p: StreamSpec, segs: list, counts: SkipCounts, rng: np.random.Generator, skip: int) -> Iterator:
-    """The stream's shuffled samples after the first ``skip``, without reading those: the shuffle is
-    replayed on positions (``rng`` ends where the first run's was), the samples still in its buffer
-    are read by position, and the rest of the range is read from its byte offset on. Exact when
-    every position of the prefix was readable (the loader falls back to re-reading otherwise)."""
-    sp, kw = p.split, dict(num_classes=p.num_classes, multi_label=p.multi_label, policy=p.policy)
-    urls, lengths = sp.urls, list(sp.lengths)
-    n = sum(hi - lo for _, lo, hi in segs)
-    if p.shuffle_buffer <= 1:
-        yield from read_segments(urls, lengths, _from_position(segs, skip), counts, **kw)
-        return
-    buf_pos, nxt, drained = replay_shuffle(n, p.shuffle_buffer, rng, skip)
-    counts.active = False  # the buffer's samples were read (and counted) before the checkpoint
-    held = dict(zip(sorted(buf_pos), _read_stream_positions(urls, segs, sorted(buf_pos), counts, **kw)))
-    counts.active = True
-    buf = [held[q] for q in buf_pos if q in held]
-    if drained:
-        yield from buf
-        return
-    rest = read_segments(urls, lengths, _from_position(segs, nxt), counts, **kw)
-    yield from shuffle_buffer(rest, p.shuffle_buffer, rng, buf=buf)
-
-
-def _from_position(segs: list, q: int) -> list:
-    """The slices [(shard, lo, hi)] of a stream from its position ``q`` on."""
-    out, at = [], 0
-    for s, lo, hi in segs:
-        if at + hi - lo > q:
-            out.append((s, lo + max(0, q - at), hi))
-        at += hi - lo
-    return out
-
-
-def _read_stream_positions(urls, segs: list, positions: list[int], counts: SkipCounts, **kw) -> Iterator:
-    """Samples at the sorted stream ``positions`` (a resumed shuffle buffer's): per slice, one read
-    from its first wanted sample's offset to its last, image bytes of wanted samples only."""
-    at, i = 0, 0
-    for s, lo, hi in segs:
-        wanted = []
-        while i < len(positions) and positions[i] < at + hi - lo:
-            wanted.append(lo + positions[i] - at)
-            i += 1
-        at += hi - lo
-        if wanted:
-            yield from read_shard(urls[s], counts, wanted[0], wanted[-1] + 1, want=set(wanted), **kw)
 
 
 def _train_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, done: int):

@@ -342,44 +342,48 @@ def range_stop(hi: int, length: int) -> int | None:
     return None if hi >= length else hi
 
 
-def read_segments(urls, lengths, segs, counts: SkipCounts, **kw) -> Iterator[tuple]:
-    """Samples of the slices ``segs`` = [(shard, lo, hi)] in order, as ``read_shard`` yields them
-    (``kw``: its keywords). While a remote shard is consumed the next slice's stream is already
-    open and fetching its first blocks, so a worker does not wait a round trip at each boundary."""
+def read_slices(urls, slices, counts: SkipCounts, **kw) -> Iterator[tuple]:
+    """Samples of ``slices`` = [(shard, start, stop, want)] in order (read_shard's arguments; ``kw``:
+    its keywords). While a remote shard is consumed the next slice's stream is already open and
+    fetching its first blocks, so a reader does not wait a round trip at each shard boundary."""
     policy, ahead = kw.get("policy"), None
     try:
-        for j, (s, lo, hi) in enumerate(segs):
+        for j, (s, lo, stop, want) in enumerate(slices):
             cur, ahead = ahead, None
-            if j + 1 < len(segs) and store.is_remote(urls[segs[j + 1][0]]):
-                nxt = segs[j + 1]
+            if j + 1 < len(slices) and store.is_remote(urls[slices[j + 1][0]]):
+                nxt = slices[j + 1]
                 try:
                     ahead = open_shard(urls[nxt[0]], nxt[1], policy)
                 except OSError:
                     ahead = None  # read_shard opens it again when its turn comes, and reports the error
-            yield from read_shard(urls[s], counts, lo, range_stop(hi, lengths[s]), opened=cur, **kw)
+            yield from read_shard(urls[s], counts, lo, stop, want=want, opened=cur, **kw)
     finally:
         if ahead is not None:
             ahead.f.close()
 
 
+def read_segments(urls, lengths, segs, counts: SkipCounts, **kw) -> Iterator[tuple]:
+    """Samples of the stream slices ``segs`` = [(shard, lo, hi)] in order (see :func:`read_slices`)."""
+    return read_slices(urls, [(s, lo, range_stop(hi, lengths[s]), None) for s, lo, hi in segs], counts, **kw)
+
+
 def read_positions(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> Iterator[tuple]:
     """Samples at the sorted ``positions`` of split ``sp`` (its shards in order), as ``read_shard``
     yields them (``kw``: its keywords). Each shard's part is one pass from its first wanted position
-    to its last; a contiguous range reads exactly that range."""
+    to its last (image bytes of wanted samples only); a contiguous range reads exactly that range."""
     n = len(positions)
     if not n:
         return
     cum = np.cumsum([0, *sp.lengths])
     pos = np.asarray(positions, dtype=np.int64)
     shard = np.searchsorted(cum, pos, side="right") - 1
-    j = 0
+    slices, j = [], 0
     while j < n:
         s = int(shard[j])
         k = j + int(np.searchsorted(shard[j:], s, side="right"))
         local = pos[j:k] - cum[s]
         lo, hi = int(local[0]), int(local[-1]) + 1
         want = None if hi - lo == k - j else set(local.tolist())
-        for i, x in enumerate(read_shard(sp.urls[s], counts, lo, range_stop(hi, sp.lengths[s]), **kw), lo):
-            if want is None or i in want:
-                yield x
+        slices.append((s, lo, range_stop(hi, sp.lengths[s]), want))
         j = k
+    yield from read_slices(sp.urls, slices, counts, **kw)

@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(PY) bench/model_step.py
 	$(PY) bench/prep.py
 	$(PY) bench/loader.py
+	$(PY) bench/loader_remote.py
 	$(PY) bench/tracking.py
 	$(PY) bench/eval.py
 	$(PY) bench/fewshot_eval.py

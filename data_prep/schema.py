@@ -153,11 +153,20 @@ def read_classes(folder: str | os.PathLike) -> tuple[str, ...] | None:
     if not f.is_file():
         return None
     try:
-        names = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+        raw = f.read_bytes()
+    except OSError as e:
         raise SchemaError(f"{f}: unreadable ({e})") from None
+    return parse_classes(raw, str(f))
+
+
+def parse_classes(raw: bytes, source: str = CLASSES_FILE) -> tuple[str, ...]:
+    """``classes.json`` content (read from a folder or an object store); ``source`` names it in errors."""
+    try:
+        names = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SchemaError(f"{source}: unreadable ({e})") from None
     if not isinstance(names, list):
-        raise SchemaError(f"{f}: expected a list of class names, got {type(names).__name__}")
+        raise SchemaError(f"{source}: expected a list of class names, got {type(names).__name__}")
     return tuple(str(x) for x in names)
 
 

@@ -2,7 +2,8 @@
 
 Stream shape: planned samples → chunks of 8-32 samples → worker processes (decode/resize/encode)
 → results in plan order → the main process appends them to `<shard>.tar.partial` → rename to
-`<shard>.tar` → `<shard>_stats.json` last (its presence marks the shard complete).
+`<shard>.tar` → `<shard>_stats.json` last (its presence marks the shard complete; it records each
+sample's byte offset, where a reader resumes mid-shard with a ranged read).
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ class _ShardWriter:
         self.tmp = out / f"{self.name}.tar.partial"
         self.tar = TarSink(self.tmp)
         self.count, self.rejects, self.t0 = 0, [], time.perf_counter()
+        self.offsets: list[int] = []  # byte offset of each sample's first member: a reader seeks there to resume
 
     def add(self, result: tuple) -> None:
         if result[0] == "reject":
             _, rel, reason, detail = result
             self.rejects.append({"path": rel, "reason": reason, "detail": detail})
             return
+        self.offsets.append(self.tar.pos)
         self.tar.add_members(result[1])
         self.count += 1
 
@@ -101,7 +104,7 @@ class _ShardWriter:
             "shard": f"{self.name}.tar", "plan_id": self.pid, "planned": self.planned, "count": self.count,
             "bytes": final.stat().st_size, "sha256": self.tar.sha256,
             "rejects": dict(sorted(by_reason.items())), "rejected": self.rejects,
-            "seconds": round(time.perf_counter() - self.t0, 3),
+            "seconds": round(time.perf_counter() - self.t0, 3), "offsets": self.offsets,
         }
         atomic_write(stats_path(self.out, self.name), json.dumps(stats, indent=1, sort_keys=True).encode(), fsync=True)
         return stats

@@ -66,26 +66,45 @@ def join(base: str | os.PathLike, name: str) -> str:
 
 
 @functools.cache
-def _filesystem(proto: str):
+def _filesystem(proto: str, read_timeout_s: float | None = None, pid: int = 0, endpoint: str | None = None):
+    """One filesystem per (protocol, read timeout, process, S3 endpoint): fsspec's async filesystems
+    refuse to run in a forked child (a loader worker), so a child makes its own; one made before
+    ``AWS_ENDPOINT_URL`` changed would still talk to the old endpoint. With ``read_timeout_s`` the SDK's
+    own retries are off: the caller (the loader's shard stream) is the one retry policy, and a read
+    that gets no bytes for that long fails instead of hanging."""
     import fsspec
 
+    kw: dict = {}
+    if read_timeout_s is not None and proto == "s3":
+        kw["config_kwargs"] = {"read_timeout": read_timeout_s, "connect_timeout": read_timeout_s,
+                               "retries": {"max_attempts": 0}}
+    elif read_timeout_s is not None and proto in ("http", "https"):
+        import aiohttp
+
+        kw["client_kwargs"] = {"timeout": aiohttp.ClientTimeout(sock_read=read_timeout_s,
+                                                                sock_connect=read_timeout_s)}
+    elif read_timeout_s is not None and proto == "gs":
+        kw["requests_timeout"] = read_timeout_s
     try:
-        return fsspec.filesystem(proto)
+        fs = fsspec.filesystem(proto, skip_instance_cache=True, **kw)
     except ImportError as e:
         extra = EXTRA_OF.get(proto)
         hint = f"pip install 'vitp[{extra}]'" if extra else "its fsspec implementation is not installed"
         raise AddressError(f"{proto}:// addresses need the {extra or proto} extra: {hint} ({e})") from None
+    if read_timeout_s is not None and hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop (one try: see above)
+    return fs
 
 
-def filesystem(address: str | os.PathLike):
-    """(fsspec filesystem, path within it) for an address. One filesystem per protocol and process;
-    a forked loader worker gets its own (fsspec's async filesystems are not fork-safe, and
-    ``fsspec.filesystem`` keys its cache by pid)."""
+def filesystem(address: str | os.PathLike, read_timeout_s: float | None = None):
+    """(fsspec filesystem, path within it) for an address. One filesystem per protocol and process
+    (and read timeout, see _filesystem)."""
     address = str(address)
     proto = scheme(address)
     if proto == "file":
         return _filesystem("file"), os.path.abspath(address.removeprefix("file://"))
-    fs = _filesystem(proto)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL")) if proto == "s3" else None
+    fs = _filesystem(proto, read_timeout_s, os.getpid(), endpoint)
     if proto in ("http", "https"):
         return fs, address  # the HTTP filesystem takes whole URLs (the query is part of the object's name)
     return fs, fs._strip_protocol(address)
@@ -122,18 +141,21 @@ def size(address: str | os.PathLike) -> int:
     return int(fs.size(path))
 
 
-def open_read(address: str | os.PathLike, start: int = 0) -> IO[bytes]:
+def open_read(address: str | os.PathLike, start: int = 0, read_timeout_s: float | None = None,
+              block_size: int = 1 << 22, cache_type: str = "readahead") -> IO[bytes]:
     """A binary stream of the object from byte ``start``: a local file is seeked; a remote object is
-    read as a stream (no download to disk; S3 and GCS ask for ``Range: bytes=start-``).
+    read as a stream of ranged reads of ``block_size`` bytes (no download to disk; ``cache_type``
+    "none": each ``read(n)`` is one ranged read of n bytes, for a caller that reads whole blocks).
 
-    No retry here: a caller that must survive network faults wraps it (the loader's shard reader).
+    No retry here: a caller that must survive network faults wraps it (pipeline.data.stream), and
+    passes ``read_timeout_s`` so that a stalled read fails (and the SDK does not retry on its own).
     """
-    fs, path = filesystem(address)
+    fs, path = filesystem(address, read_timeout_s)
     if not is_remote(str(address)):
         f = open(path, "rb", buffering=1 << 16)
         f.seek(start)
         return f
-    f = fs.open(path, "rb", block_size=1 << 22, cache_type="readahead")
+    f = fs.open(path, "rb", block_size=block_size, cache_type=cache_type)
     if start:
         f.seek(start)
     return f

@@ -86,7 +86,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (pretrain/transfer), a DeepSpeed checkpoint folder, or a weights file "
                         "(vitp .safetensors; timm .pth/.safetensors or JAX .npz need --model)")
-    p.add_argument("--data", required=True, help="a `vitp prep` output folder")
+    p.add_argument("--data", required=True, help="a `vitp prep` output: a folder, s3://, gs:// or https:// address")
     p.add_argument("--split", default="val", help="split to score (default: val)")
     p.add_argument("--fewshot", action="store_true", help="few-shot linear evaluation (train split -> --split)")
     p.add_argument("--shots", default="1,5,10,25", help="few-shot shots per class (default: 1,5,10,25)")
@@ -108,7 +108,8 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
     from data_prep import store
     from pipeline.config import ConfigError
 
-    if store.is_remote(args.data):
+    remote = store.is_remote(args.data)
+    if remote:
         store.check_readable(store.join(args.data, "_info.json"), "--data")
     elif not Path(args.data).exists() and not args.data.startswith("synthetic"):
         raise FileNotFoundError(f"--data {args.data}: no such dataset folder")

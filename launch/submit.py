@@ -139,7 +139,8 @@ def check_data(cfg, stage: str) -> None:
     """The dataset exists and has every split the run will read (pipeline.data.shards.check_splits,
     which the stage repeats at its start). Fewer shards than ranks x loader workers is fine: the loader
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
-    from data_prep.schema import DatasetInfo
+    from data_prep import store
+    from data_prep.schema import INFO_FILE, DatasetInfo
     from pipeline.config import fewshot_sets
     from pipeline.data.loader import DataError, check_splits
     from pipeline.data.synthetic import is_synthetic
@@ -159,9 +160,11 @@ def check_data(cfg, stage: str) -> None:
         raise SubmitError(str(e)) from None
     if stage == "eval" or cfg.data.resampled or is_synthetic(path):
         return
-    files = DatasetInfo.read(path).splits[cfg.data.train_split].filenames  # check_splits read it already
+    where = store.join(path, INFO_FILE)  # check_splits read it already
+    info = DatasetInfo.from_json(store.read_bytes(where).decode("utf-8"), store.public(where))
+    files = [store.join(path, f) for f in info.splits[cfg.data.train_split].filenames]
     streams = cfg.world_size_planned * max(1, cfg.data.workers)
-    if len(files) < streams and any("://" in f or f.startswith("pipe:") for f in files):
+    if len(files) < streams and any(store.is_remote(f) or f.startswith("pipe:") for f in files):
         print(f"warning: data.path: {len(files)} remote {cfg.data.train_split!r} shards for {streams} loader "
               "streams (ranks x data.workers): streams sharing a shard each read it from its start; "
               "more, smaller shards read faster", file=sys.stderr)

@@ -152,7 +152,7 @@ class ModelCfg(Section):
 
 
 class DataCfg(Section):
-    path: Str = ""  # a `vitp prep` output folder (holds _info.json)
+    path: Str = ""  # a `vitp prep` output (holds _info.json): a folder, s3://, gs:// or https:// address
     train_split: Str = "train"
     val_split: Str | None = "val"
     workers: Int = Field(2, ge=0)
@@ -165,6 +165,11 @@ class DataCfg(Section):
     cutmix: Float = Field(0.0, ge=0.0)
     label_smoothing: Float = Field(0.0, ge=0.0, le=1.0)
     eval_crop_pct: Float = Field(1.0, gt=0.0, le=1.0)
+    # remote shards (s3://, gs://, https://): a read that gets no bytes this long is retried; after
+    # read_retries failed tries in a row the shard's rest is skipped and counted, or the run stops
+    read_timeout_s: Float = Field(60.0, gt=0.0, le=3600.0)
+    read_retries: Int = Field(5, ge=0, le=100)
+    on_read_error: one_of("skip", "stop") = "skip"
 
     @model_validator(mode="after")
     def _crop(self):

@@ -251,12 +251,13 @@ def eval_batch(items, transform, batch: int, on_error, classes: int | None = Non
     return stack(images), label_batch(labels, classes), valid, keys
 
 
-def shuffle_buffer(items: Iterator, size: int, rng: np.random.Generator) -> Iterator:
-    """Shuffle buffer: keep ``size`` items, emit a random one as each new one arrives, then drain."""
+def shuffle_buffer(items: Iterator, size: int, rng: np.random.Generator, buf: list | None = None) -> Iterator:
+    """Shuffle buffer: keep ``size`` items, emit a random one as each new one arrives, then drain.
+    ``buf``: the buffer to start from (a resumed stream's, see :func:`replay_shuffle`)."""
     if size <= 1:
         yield from items
         return
-    buf = []
+    buf = [] if buf is None else buf
     for x in items:
         if len(buf) < size:
             buf.append(x)
@@ -266,6 +267,23 @@ def shuffle_buffer(items: Iterator, size: int, rng: np.random.Generator) -> Iter
         yield x
     rng.shuffle(buf)
     yield from buf
+
+
+def replay_shuffle(n: int, size: int, rng: np.random.Generator, skip: int) -> tuple[list[int], int, bool]:
+    """What :func:`shuffle_buffer` over ``n`` items holds after emitting ``skip`` of them, without the
+    items: (buffer as item positions, position of the next input, drained). ``rng`` is left as the
+    shuffle would leave it, so ``shuffle_buffer(items[next:], size, rng, buf=<those items>)`` continues
+    it exactly; when ``drained`` (the inputs ran out first) the buffer is the rest of the output, in order.
+    Needs ``size > 1``; costs one draw per emitted item."""
+    buf = list(range(min(size, n)))
+    nxt, emitted = len(buf), 0
+    while emitted < skip and nxt < n:
+        buf[int(rng.integers(size))] = nxt  # the slot's old item is the one emitted
+        nxt, emitted = nxt + 1, emitted + 1
+    if emitted < skip:  # the inputs ran out: the drain emits the rest
+        rng.shuffle(buf)
+        return buf[skip - emitted:], nxt, True
+    return buf, nxt, False
 
 
 def sample_seed(*parts: int) -> int:

@@ -41,7 +41,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_prep.schema import DatasetInfo, SchemaError
+from data_prep import store
+from data_prep.schema import INFO_FILE
 
 from .augment import (
     EvalTransform,
@@ -52,7 +53,8 @@ from .augment import (
     sample_seed,
     shuffle_buffer,
 )
-from .shards import (  # re-exported: callers import the dataset API from here
+from .resume import dropping, resumed
+from .shards import (  # noqa: F401 (re-exported: callers import the dataset API from here)
     SKIP_REASONS,
     DataError,
     Info,
@@ -60,12 +62,15 @@ from .shards import (  # re-exported: callers import the dataset API from here
     SplitInfo,
     info_file,
     range_stop,
+    read_description,
     read_info,
     read_positions,
+    read_segments,
     read_shard,
     segments,
 )
 from .source import ClassLoaders, DataSource
+from .stream import ReadPolicy, io_stats
 from .synthetic import is_synthetic
 from .synthetic import read_info as synthetic_info
 
@@ -95,12 +100,11 @@ def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None
         where = f"data.path {path}"
         has = {k: sp.num_samples for k, sp in synthetic_info(str(path)).splits.items()}
     else:
-        f = info_file(path)
         try:
-            has = {k: len(sp.filenames) for k, sp in DatasetInfo.read(f).splits.items()}
-        except SchemaError as e:
+            has = {k: len(sp.filenames) for k, sp in read_description(path).splits.items()}
+        except DataError as e:
             raise DataError(f"data.path: {e}") from None
-        where = str(f)
+        where = store.public(store.join(str(path), INFO_FILE))
     for key, name in want.items():
         hint = _HINTS.get(key, "re-run vitp prep or pick another split")
         if name not in has:
@@ -152,6 +156,12 @@ def _kill_workers_at_exit() -> None:
 atexit.register(_kill_workers_at_exit)
 
 
+def _io() -> tuple[int, int, float]:
+    """(worker, remote bytes read, seconds since its first remote read): sent with each batch."""
+    st = io_stats()
+    return _worker()[0], st["bytes"], st["seconds"]
+
+
 def collate_as_is(x):
     """The loader's DataLoader collate_fn: batches are made in the workers; numpy arrays stay numpy."""
     return x
@@ -172,7 +182,19 @@ def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
     """The dataset's items through ``workers`` processes (0: in this process), as tensors."""
     src = ds if workers <= 0 else DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker,
                                              collate_fn=collate_as_is, pin_memory=pin_memory, persistent_workers=False)
-    return map(_unwire, src)
+    return _one_line_errors(map(_unwire, src))
+
+
+def _one_line_errors(batches):
+    """A DataError raised in a worker reaches this process wrapped by torch in a multi-line message
+    (the worker's traceback); the run stops with the one line the worker meant."""
+    try:
+        yield from batches
+    except DataError as e:
+        lines = str(e).strip().splitlines()
+        if len(lines) <= 1:
+            raise
+        raise DataError(lines[-1].split(": ", 1)[-1]) from None
 
 
 # ── Training ───────────────────────────────────────────────────────────────────────────────────────
@@ -193,6 +215,8 @@ class StreamSpec:
     crop_scale: tuple[float, float]
     hflip: bool
     randaugment: str | None
+    policy: ReadPolicy = ReadPolicy()  # remote reads: timeout, retries, skip or stop
+    seek_resume: bool = True  # resume by replaying the shuffle on positions and seeking (resume.py)
 
     def quota_start(self, stream: int, n: int) -> int:
         """Where (rank, stream) of ``n`` streams starts in the epoch's sample sequence."""
@@ -232,11 +256,15 @@ class _TrainRun(IterableDataset):
             before += m
 
 
-def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, counts: SkipCounts) -> Iterator:
-    """Endless raw samples of (rank, stream) for this epoch: its range, then (if bad samples left it
-    short) the range again with a new shuffle; resampled mode draws shards with replacement."""
+def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, counts: SkipCounts,
+                skip: int = 0) -> Iterator:
+    """Endless raw samples of (rank, stream) for this epoch after the first ``skip``: its range, then
+    (if bad samples left it short) the range again with a new shuffle; resampled mode draws shards
+    with replacement. A resume (``skip`` > 0) seeks to where the stream was (:func:`.resume.resumed`), or,
+    where that cannot be exact, reads the first ``skip`` samples again and drops them."""
     seed, rank, sp, K, ml = p.seed, p.rank, p.split, p.num_classes, p.multi_label
     lengths, urls = list(sp.lengths), sp.urls
+    kw = dict(num_classes=K, multi_label=ml, policy=p.policy)
     if p.resampled:
         rng = np.random.default_rng([seed, epoch, rank, stream, 1])
 
@@ -244,28 +272,36 @@ def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, coun
             while True:
                 got = 0
                 for _ in range(len(urls)):
-                    for x in read_shard(urls[int(rng.integers(len(urls)))], counts, 0, None, num_classes=K,
-                                         multi_label=ml):
+                    for x in read_shard(urls[int(rng.integers(len(urls)))], counts, 0, None, **kw):
                         got += 1
                         yield x
                 if not got:
                     raise DataError(f"{sp.name}: {len(urls)} shards drawn in a row held no readable sample")
 
-        yield from shuffle_buffer(draws(), p.shuffle_buffer, np.random.default_rng([seed, epoch, rank, stream, 2]))
+        yield from dropping(shuffle_buffer(draws(), p.shuffle_buffer,
+                                            np.random.default_rng([seed, epoch, rank, stream, 2])), skip, counts)
         return
     order = np.random.default_rng([seed, epoch, 0]).permutation(len(urls))
     segs = segments(lengths, order, p.quota_start(stream, n), count * p.micro_batch)
     for rnd in itertools.count():
         got = 0
         counts.rereading = rnd > 0
-        raw = (x for s, lo, hi in segs
-               for x in read_shard(urls[s], counts, lo, range_stop(hi, lengths[s]), num_classes=K, multi_label=ml))
-        for x in shuffle_buffer(raw, p.shuffle_buffer, np.random.default_rng([seed, epoch, rank, stream, 3, rnd])):
+        rng = np.random.default_rng([seed, epoch, rank, stream, 3, rnd])
+        if rnd == 0 and skip and p.seek_resume:
+            items, got, skip = resumed(p, segs, counts, rng, skip), skip, 0
+        else:
+            items = shuffle_buffer(read_segments(urls, lengths, segs, counts, **kw), p.shuffle_buffer, rng)
+        for x in items:
             got += 1
+            if skip:  # a resume that re-reads: these were consumed before the checkpoint (and counted)
+                counts.active = False
+                skip -= 1
+                continue
+            counts.active = True
             yield x
         if not got:
             raise DataError(f"{sp.name}: rank {rank} stream {stream} found no readable sample in its shards "
-                            f"{sorted({urls[s] for s, _, _ in segs})}")
+                            f"{sorted({store.public(urls[s]) for s, _, _ in segs})}")
 
 
 def _train_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, done: int):
@@ -274,11 +310,7 @@ def _train_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, do
     mb, seed, rank = p.micro_batch, p.seed, p.rank
     classes = p.num_classes if p.multi_label else None
     tf = p.transform()
-    raw = enumerate(_raw_stream(p, epoch, stream, n, count, counts))
-    counts.active = False  # already counted before the checkpoint
-    for _ in itertools.islice(raw, done * mb):
-        pass
-    counts.active = True
+    raw = enumerate(_raw_stream(p, epoch, stream, n, count, counts, skip=done * mb), done * mb)
 
     def undecodable(key, err):
         if key not in seen_bad:  # a stream that wraps meets it again
@@ -294,7 +326,7 @@ def _train_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, do
             out = augment_batch([x for _, x in batch], tf, [sample_seed(seed, epoch, rank, stream, i) for i in pos],
                                 lambda j, pos=pos: sample_seed(seed, epoch, rank, stream, pos[j], 1), undecodable,
                                 classes)
-        yield (*out, counts.take())
+        yield (*out, counts.take(), _io())
 
 
 class TrainLoader:
@@ -329,6 +361,7 @@ class TrainLoader:
         self.epoch, self.step = 0, 0
         self.skipped: dict[str, int] = {}
         self.position = (0, 0)
+        self._io: dict[int, tuple[int, float]] = {}  # worker -> (remote bytes read, seconds reading)
 
     @property
     def num_classes(self) -> int:
@@ -341,10 +374,18 @@ class TrainLoader:
                           multi_label=self.info.multi_label, micro_batch=self.micro_batch,
                           micro_batches=self.micro_batches_per_epoch, resampled=c.resampled,
                           shuffle_buffer=c.shuffle_buffer, img_size=self.img_size, crop_scale=tuple(c.crop_scale),
-                          hflip=c.hflip, randaugment=c.randaugment)
+                          hflip=c.hflip, randaugment=c.randaugment, policy=ReadPolicy.of(c),
+                          seek_resume=not any(v for k, v in getattr(self, "skipped", {}).items()
+                                               if k != "undecodable_image"))
 
     def __len__(self) -> int:
         return self.micro_batches_per_epoch
+
+    def read_stats(self) -> dict:
+        """Remote read throughput per loader worker (mean over workers, MB/s) once any was read;
+        logged with the training metrics. {} for a local dataset."""
+        rates = [b / t for b, t in self._io.values() if b and t > 0]
+        return {"read_mb_s_per_worker": sum(rates) / len(rates) / 1e6} if rates else {}
 
     def __iter__(self):
         if self.step >= self.micro_batches_per_epoch:
@@ -362,11 +403,12 @@ class TrainLoader:
 
     def _run(self, epochs: int | None):
         src = _batches(_TrainRun(self, self.epoch, self.step, epochs), self.num_workers, self.pin_memory)
-        for images, labels, keys, skipped in src:
+        for images, labels, keys, skipped, io in src:
             if self.step >= self.micro_batches_per_epoch:  # the stream went on into the next epoch
                 self.epoch, self.step = self.epoch + 1, 0
             for k, v in skipped.items():
                 self.skipped[k] = self.skipped.get(k, 0) + v
+            self._io[io[0]] = io[1:]
             self.position = (self.epoch, self.step)
             self.step += 1
             yield (images, labels, keys) if self.return_keys else (images, labels)
@@ -401,7 +443,7 @@ class _EvalRank(IterableDataset):
 
     def __init__(self, loader: EvalLoader):
         self.sp, self.K, self.B = loader.split, loader.info.num_classes, loader.batch
-        self.ml = loader.info.multi_label
+        self.ml, self.policy = loader.info.multi_label, loader.policy
         self.pos, self.nb = loader.rank_positions, loader.num_batches
         self.tf = EvalTransform(loader.img_size, loader.crop_pct)
 
@@ -409,7 +451,8 @@ class _EvalRank(IterableDataset):
         d, n = _worker()
         b0, b1 = d * self.nb // n, (d + 1) * self.nb // n
         counts, B = SkipCounts(), self.B
-        raw = read_positions(self.sp, self.pos[b0 * B:b1 * B], counts, num_classes=self.K, multi_label=self.ml)
+        raw = read_positions(self.sp, self.pos[b0 * B:b1 * B], counts, num_classes=self.K, multi_label=self.ml,
+                             policy=self.policy)
 
         def undecodable(key, err):
             counts.add("undecodable_image")
@@ -449,6 +492,7 @@ class EvalLoader:
         self.crop_pct = cfg_data.eval_crop_pct if crop_pct is None else float(crop_pct)
         self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
         self.return_keys = return_keys
+        self.policy = ReadPolicy.of(cfg_data)
         positions = range(self.split.num_samples) if positions is None else positions
         n = self.num_samples = len(positions)
         self.rank_positions = positions[rank * n // world_size:(rank + 1) * n // world_size]
@@ -478,7 +522,7 @@ class ShardSource(ClassLoaders, DataSource):
     info_reader = staticmethod(read_info)
 
     def dataset_name(self) -> str:
-        return os.path.basename(os.path.normpath(self.path))
+        return os.path.basename(os.path.normpath(store.public(self.path).split("://", 1)[-1]))
 
     def source_fields(self) -> dict:
-        return {"uri": os.path.abspath(self.path)}
+        return {"uri": store.public(self.path) if store.is_remote(self.path) else os.path.abspath(self.path)}

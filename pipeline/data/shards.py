@@ -5,8 +5,11 @@ tar, a sample without a valid ``.cls`` or without an image is counted by reason 
 positions agree with prep's ``shard_lengths``. In a multi-label dataset (``_info.json``:
 ``"multi_label": true``) the label is the tuple of class indices in the sample json's ``labels``
 (``.cls`` is only the primary one); ``read_positions`` reads any sorted positions of a split.
-Remote shards (``pipe:``, http, s3) are opened with webdataset's ``gopen``; local ones as plain
-files, seekable, so skipping costs header reads only.
+A dataset address may be a folder, ``s3://``, ``gs://`` or ``https://`` (``data_prep.store``): remote
+shards are read as retried, read-ahead streams (``pipeline.data.stream``), local ones as plain files,
+seekable, so skipping costs header reads only; ``pipe:`` URLs of foreign descriptions go through
+webdataset's ``gopen``. A read that starts mid-shard begins at the sample's byte offset, which prep
+records in ``<shard>_stats.json`` (``offsets``); a shard without them is scanned from its start.
 
 Tar members are parsed by ``data_prep.tar.iter_tar`` (the tar module prep writes with); the
 description is parsed by ``data_prep.schema.DatasetInfo`` (the one ``_info.json`` schema).
@@ -14,19 +17,23 @@ description is parsed by ``data_prep.schema.DatasetInfo`` (the one ``_info.json`
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from data_prep.schema import IMAGE_EXTS, DatasetInfo, SchemaError
+from data_prep import store
+from data_prep.schema import CLASSES_FILE, IMAGE_EXTS, INFO_FILE, DatasetInfo, SchemaError, parse_classes
 from data_prep.tar import TarError, iter_tar
 
-SKIP_REASONS = ("corrupt_tar", "missing_cls", "bad_cls", "bad_labels", "missing_image", "undecodable_image")
+from .stream import ReadPolicy, ShardReadError, ShardStream
+
+SKIP_REASONS = ("corrupt_tar", "missing_cls", "bad_cls", "bad_labels", "missing_image", "undecodable_image",
+                "unreadable_shard")
 
 
 class DataError(ValueError):
@@ -38,7 +45,7 @@ class DataError(ValueError):
 class SplitInfo:
     name: str
     num_samples: int
-    urls: tuple[str, ...]  # one per shard: a local path, or a URL webdataset's gopen can open
+    urls: tuple[str, ...]  # one per shard: a local path or a dataset address (s3://, gs://, https://, pipe:)
     lengths: tuple[int, ...]  # samples per shard
 
 
@@ -65,42 +72,71 @@ def _is_url(s: str) -> bool:
     return "://" in s or s.startswith("pipe:")
 
 
-def info_file(path: str | os.PathLike) -> Path:
-    """``<path>/_info.json``, or a DataError saying the folder is not (yet) a prep output."""
-    f = Path(path) / "_info.json"
-    if not f.is_file():
-        raise DataError(f"{f}: not found (is data.path a `vitp prep` output folder, and did prep finish?)")
+def info_file(path: str | os.PathLike) -> str:
+    """``<path>/_info.json``, or a DataError saying the address is not (yet) a prep output."""
+    f = store.join(str(path), INFO_FILE)
+    try:
+        found = store.exists(f)
+    except Exception as e:  # noqa: BLE001 (each SDK has its own errors; store.reason names them)
+        raise DataError(f"{store.public(f)}: unreadable ({store.reason(e)})") from None
+    if not found:
+        raise DataError(f"{store.public(f)}: not found "
+                        "(is data.path a `vitp prep` output folder, and did prep finish?)")
     return f
 
 
-def read_info(path: str | os.PathLike) -> Info:
-    """Read ``<path>/_info.json`` (+ ``classes.json`` if the info has no class list) and check that
-    every local shard it names exists."""
-    root = str(path)
-    if _is_url(root):
-        raise DataError(f"data.path: {root!r}: remote datasets need a local _info.json copy; give its folder")
-    f = info_file(root)
+def read_description(path: str | os.PathLike) -> DatasetInfo:
+    """``<path>/_info.json`` of a folder or a remote address, parsed (DataError if missing/malformed)."""
+    f = info_file(path)
     try:
-        raw = DatasetInfo.read(f)
-        classes = raw.class_names(root)
-        num_classes = raw.count_of_classes(root)
+        return DatasetInfo.from_json(store.read_bytes(f).decode("utf-8"), store.public(f))
     except SchemaError as e:
         raise DataError(str(e)) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{store.public(f)}: unreadable ({store.reason(e)})") from None
+
+
+def _classes(raw: DatasetInfo, root: str) -> tuple[str, ...]:
+    """The description's class list, else ``classes.json`` beside it (else empty)."""
+    if raw.classes is not None:
+        return raw.classes
+    f = store.join(root, CLASSES_FILE)
+    try:
+        if not store.exists(f):
+            return ()
+        return parse_classes(store.read_bytes(f), store.public(f))
+    except SchemaError as e:
+        raise DataError(str(e)) from None
+    except OSError as e:
+        raise DataError(f"{store.public(f)}: unreadable ({store.reason(e)})") from None
+
+
+def read_info(path: str | os.PathLike) -> Info:
+    """Read ``<path>/_info.json`` (+ ``classes.json`` if the info has no class list) from a folder or
+    a remote address, and check that every local shard it names exists (remote shards are checked
+    when read: a listing of a large bucket costs more than it tells)."""
+    root = str(path)
+    if root.startswith("pipe:"):
+        raise DataError(f"data.path: {root!r}: give the dataset's folder or address, not a pipe: command")
+    raw = read_description(root)
+    where = store.public(store.join(root, INFO_FILE))
+    classes = _classes(raw, root)
+    num_classes = raw.num_classes if raw.num_classes is not None else len(classes)
     splits = {}
     for name, sp in raw.splits.items():
-        urls = tuple(u if _is_url(u) or os.path.isabs(u) else os.path.join(root, u) for u in sp.filenames)
+        urls = tuple(store.join(root, u) for u in sp.filenames)
         for u in urls:
             if not _is_url(u) and not os.path.isfile(u):
-                raise DataError(f"{f}: split {name!r} names shard {u} which does not exist")
+                raise DataError(f"{where}: split {name!r} names shard {u} which does not exist")
         lengths = sp.shard_lengths
         if lengths is None or len(lengths) != len(urls):
             lengths = tuple(_count_samples(u) for u in urls)  # older/foreign info: count once, by headers
         n = sp.num_samples if sp.num_samples is not None else sum(lengths)
         splits[name] = SplitInfo(name, n, urls, lengths)
     if not splits:
-        raise DataError(f"{f}: no splits")
+        raise DataError(f"{where}: no splits")
     if num_classes <= 0:
-        raise DataError(f"{f}: num_classes is {num_classes}; need >= 1")
+        raise DataError(f"{where}: num_classes is {num_classes}; need >= 1")
     return Info(root, num_classes, classes, splits, raw.digest, multi_label=raw.multi_label)
 
 
@@ -145,17 +181,69 @@ def _multi_labels(meta: bytes | None, num_classes: int | None) -> tuple[int, ...
     return tuple(labels)
 
 
+def stats_address(url: str) -> str:
+    """``<shard>_stats.json`` beside a shard (prep writes it when the shard is complete)."""
+    return url[:-len(".tar")] + "_stats.json" if url.endswith(".tar") else url + "_stats.json"
+
+
+@functools.lru_cache(maxsize=64)
+def shard_offsets(url: str) -> tuple[int, ...] | None:
+    """Byte offset of each sample's first member in a shard, from its stats (prep records them);
+    None for a shard without them (older/foreign datasets: a read then scans from the start)."""
+    if url.startswith("pipe:"):
+        return None
+    try:
+        stats = json.loads(store.read_bytes(stats_address(url)))
+        offsets = stats.get("offsets")
+        if (isinstance(offsets, list) and len(offsets) == stats.get("count")
+                and all(type(o) is int and o >= 0 for o in offsets)):
+            return tuple(offsets)
+    except Exception:  # noqa: BLE001, S110 (no stats or unreadable ones: the shard is scanned instead)
+        pass
+    return None
+
+
+@dataclass
+class OpenShard:
+    """A shard opened for reading: its byte stream, the index of the sample it is positioned at, and
+    whether it can seek (skipping then costs header reads only)."""
+
+    f: object
+    index: int
+    seekable: bool
+
+
+def open_shard(url: str, start: int, policy: ReadPolicy | None = None) -> OpenShard:
+    """Open a shard at sample ``start``: at its byte offset where the stats record one, else at 0.
+    Remote shards start their read-ahead now (see :class:`~pipeline.data.stream.ShardStream`)."""
+    offsets = shard_offsets(url) if start > 0 else None
+    index, byte = (start, offsets[start]) if offsets is not None and start < len(offsets) else (0, 0)
+    if url.startswith("pipe:"):
+        import webdataset  # foreign descriptions' shell commands only
+
+        return OpenShard(webdataset.gopen(url, "rb"), 0, False)
+    if store.is_remote(url):
+        return OpenShard(ShardStream(url, byte, policy or ReadPolicy()), index, False)
+    f = open(url, "rb", buffering=1 << 16)
+    f.seek(byte)
+    return OpenShard(f, index, True)
+
+
 def read_shard(url: str, counts: SkipCounts, start: int, stop: int | None, *, num_classes: int | None,
-                read: bool = True, multi_label: bool = False) -> Iterator[tuple[str, bytes | None, int | tuple]]:
+               read: bool = True, multi_label: bool = False, want=None, policy: ReadPolicy | None = None,
+               opened: OpenShard | None = None) -> Iterator[tuple[str, bytes | None, int | tuple]]:
     """Valid samples ``start <= i < stop`` of one shard as (key, image bytes, label).
 
     A valid sample has an image member and a ``.cls`` holding an int in [0, num_classes) (and with
     ``multi_label`` a json whose ``labels`` are such ints, the label then being their tuple); invalid
     ones are counted and do not take an index (so indices agree with prep's shard_lengths).
-    Image bytes are read only for samples in range; a local tar is opened seekable, so samples
-    before ``start`` cost a header read each. A truncated or unreadable tar ends the shard, counted.
+    Image bytes are read only for samples in range (and in ``want``, a set of indices, when given:
+    only those are yielded). The read starts at ``start``'s byte offset when the shard's stats
+    record it (``opened``: a stream :func:`open_shard` opened ahead), else skips from the start.
+    A truncated or unreadable tar ends the shard, counted; a remote one that fails past the retries
+    of ``policy`` is skipped (counted as ``unreadable_shard``) or, with ``on_error="stop"``, a DataError.
     """
-    index = 0
+    policy = policy or ReadPolicy()
 
     def bad(reason: str) -> None:
         # only the reader whose range holds this position counts it, so a shard read in pieces
@@ -163,17 +251,14 @@ def read_shard(url: str, counts: SkipCounts, start: int, stop: int | None, *, nu
         if index >= start and (stop is None or index < stop):
             counts.add(reason)
 
+    index = start
     try:
-        if _is_url(url):
-            import webdataset  # remote shards only: gopen knows pipe:, http(s), s3 via the CLI
-
-            f, seekable = webdataset.gopen(url, "rb"), False
-        else:
-            f, seekable = open(url, "rb", buffering=1 << 16), True
+        opened = opened or open_shard(url, start, policy)
     except OSError as e:
         bad("corrupt_tar")
-        warnings.warn(f"{url}: unreadable shard, skipped ({e})", stacklevel=2)
+        warnings.warn(f"{store.public(url)}: unreadable shard, skipped ({store.reason(e)})", stacklevel=2)
         return
+    f, seekable, index = opened.f, opened.seekable, opened.index
     key, cls, img, meta = None, None, None, None
 
     def finish():
@@ -200,7 +285,7 @@ def read_shard(url: str, counts: SkipCounts, start: int, stop: int | None, *, nu
             bad("missing_image")
             return None
         i, index = index, index + 1
-        return (key, img if img is not True else None, label) if i >= start else None
+        return (key, img if img is not True else None, label) if i >= start and (want is None or i in want) else None
 
     try:
         with f:
@@ -221,13 +306,18 @@ def read_shard(url: str, counts: SkipCounts, start: int, stop: int | None, *, nu
                     meta = data()
                 elif ext in IMAGE_EXTS:
                     # index is the one this sample gets if valid; bytes only when it is in range
-                    img = data() if read and index >= start else True
+                    img = data() if read and index >= start and (want is None or index in want) else True
             out = finish()
             if out is not None:
                 yield out
+    except ShardReadError as e:
+        if policy.on_error == "stop":
+            raise DataError(f"{e} (data.on_read_error: stop)") from None
+        bad("unreadable_shard")
+        warnings.warn(f"{e}; rest of the shard skipped (data.read_retries: {policy.retries})", stacklevel=2)
     except (TarError, OSError, EOFError) as e:
         bad("corrupt_tar")
-        warnings.warn(f"{url}: corrupt or cut-off shard, rest skipped ({e})", stacklevel=2)
+        warnings.warn(f"{store.public(url)}: corrupt or cut-off shard, rest skipped ({e})", stacklevel=2)
 
 
 def segments(lengths: list[int], order, start: int, count: int) -> list[tuple[int, int, int]]:
@@ -252,24 +342,48 @@ def range_stop(hi: int, length: int) -> int | None:
     return None if hi >= length else hi
 
 
+def read_slices(urls, slices, counts: SkipCounts, **kw) -> Iterator[tuple]:
+    """Samples of ``slices`` = [(shard, start, stop, want)] in order (read_shard's arguments; ``kw``:
+    its keywords). While a remote shard is consumed the next slice's stream is already open and
+    fetching its first blocks, so a reader does not wait a round trip at each shard boundary."""
+    policy, ahead = kw.get("policy"), None
+    try:
+        for j, (s, lo, stop, want) in enumerate(slices):
+            cur, ahead = ahead, None
+            if j + 1 < len(slices) and store.is_remote(urls[slices[j + 1][0]]):
+                nxt = slices[j + 1]
+                try:
+                    ahead = open_shard(urls[nxt[0]], nxt[1], policy)
+                except OSError:
+                    ahead = None  # read_shard opens it again when its turn comes, and reports the error
+            yield from read_shard(urls[s], counts, lo, stop, want=want, opened=cur, **kw)
+    finally:
+        if ahead is not None:
+            ahead.f.close()
+
+
+def read_segments(urls, lengths, segs, counts: SkipCounts, **kw) -> Iterator[tuple]:
+    """Samples of the stream slices ``segs`` = [(shard, lo, hi)] in order (see :func:`read_slices`)."""
+    return read_slices(urls, [(s, lo, range_stop(hi, lengths[s]), None) for s, lo, hi in segs], counts, **kw)
+
+
 def read_positions(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> Iterator[tuple]:
     """Samples at the sorted ``positions`` of split ``sp`` (its shards in order), as ``read_shard``
     yields them (``kw``: its keywords). Each shard's part is one pass from its first wanted position
-    to its last; a contiguous range reads exactly that range."""
+    to its last (image bytes of wanted samples only); a contiguous range reads exactly that range."""
     n = len(positions)
     if not n:
         return
     cum = np.cumsum([0, *sp.lengths])
     pos = np.asarray(positions, dtype=np.int64)
     shard = np.searchsorted(cum, pos, side="right") - 1
-    j = 0
+    slices, j = [], 0
     while j < n:
         s = int(shard[j])
         k = j + int(np.searchsorted(shard[j:], s, side="right"))
         local = pos[j:k] - cum[s]
         lo, hi = int(local[0]), int(local[-1]) + 1
         want = None if hi - lo == k - j else set(local.tolist())
-        for i, x in enumerate(read_shard(sp.urls[s], counts, lo, range_stop(hi, sp.lengths[s]), **kw), lo):
-            if want is None or i in want:
-                yield x
+        slices.append((s, lo, range_stop(hi, sp.lengths[s]), want))
         j = k
+    yield from read_slices(sp.urls, slices, counts, **kw)

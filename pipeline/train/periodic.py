@@ -105,7 +105,8 @@ class TrainLog:
         record = {"loss": loss, self.hit_key: top1, "lr": lr, "grad_norm": eng_lib.grad_norm(self.engine),
                   "images_per_s": cfg.train.global_batch / dt, "step_s": dt,
                   "mfu": window_flops / max(n, 1) / dt / (cfg.hardware.peak_tflops * 1e12),
-                  "skipped": int(sum(self.loader.skipped.values())), **memory_gb()}
+                  "skipped": int(sum(self.loader.skipped.values())), **memory_gb(),
+                  **(self.loader.read_stats() if hasattr(self.loader, "read_stats") else {})}
         if drops.drop:  # the fraction this window's last step dropped (0 after train.patch_drop_until)
             record["patch_drop"] = drops.drop if drops.active(step - 1) else 0.0
         rank0_print(f"step {step:>7d}/{cfg.train.steps}  loss {loss:.4f}  {headline(record)}  lr {lr:.2e}  "

@@ -48,7 +48,8 @@ GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline
 LIBRARY = (*LIBRARY, "pipeline.faults")
 DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults"}
 STDLIB_ONLY = {"pipeline/files.py": set(), "pipeline/faults.py": {"pipeline.files"}}  # + what they may import
-PIPELINE_MAY_IMPORT = {"data_prep.schema", "data_prep.tar", "data_prep.images"}
+# data_prep.store: every dataset address (folder, s3://, gs://, https://) is read through it
+PIPELINE_MAY_IMPORT = {"data_prep.schema", "data_prep.tar", "data_prep.images", "data_prep.store"}
 
 
 def layer(module: str) -> int | None:

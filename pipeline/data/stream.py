@@ -1,0 +1,175 @@
+"""Remote shards as byte streams that survive network faults: retried, read ahead, counted.
+
+A :class:`ShardStream` reads one object (``s3://``, ``gs://``, ``https://``) from a byte offset as a
+sequence of ranged reads through ``data_prep.store.open_read``. A background thread fetches the next
+blocks while the loader parses and decodes the current one (bounded: ``depth`` blocks wait at most),
+so a worker does not wait one round trip per block, and the next shard's stream can be opened before
+the current one ends (its first blocks arrive while this shard is consumed).
+
+Faults, as :class:`ReadPolicy` (``data.read_timeout_s``, ``data.read_retries``, ``data.on_read_error``)
+says: a reset connection, a 5xx/429 reply or a read that gets no bytes for ``timeout_s`` (the SDK's
+read timeout) is retried with exponential backoff and jitter, reopening the object at the first byte
+not yet delivered, so the consumer sees each byte once, in order. After ``retries`` failed tries in a
+row the stream raises :class:`ShardReadError`; a missing object or a refused one (404/403) is not
+retried. Stream shape::
+
+    store.open_read(addr, pos) ──blocks──▶ queue (≤ depth) ──read(n)──▶ tar parser ──▶ samples
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+from data_prep import store
+
+ON_READ_ERROR = ("skip", "stop")
+BLOCK, DEPTH = 4 << 20, 2  # bytes per ranged read; blocks read ahead (a stream holds <= DEPTH + 1 blocks)
+_BYTES = {"bytes": 0, "t0": None}  # this process's remote bytes read, and when the first read began
+
+
+@dataclass(frozen=True)
+class ReadPolicy:
+    """How shard reads meet network faults (``data.read_timeout_s`` / ``read_retries`` / ``on_read_error``)."""
+
+    timeout_s: float = 60.0
+    retries: int = 5
+    on_error: str = "skip"  # "skip": the shard's rest is skipped and counted; "stop": the run stops
+    backoff_s: float = 0.25  # first wait; doubled per failed try, with jitter, capped
+    backoff_cap_s: float = 10.0
+
+    @classmethod
+    def of(cls, cfg_data) -> ReadPolicy:
+        """The data section's settings (defaults for a section without them)."""
+        d = cls()
+        return cls(float(getattr(cfg_data, "read_timeout_s", d.timeout_s)),
+                   int(getattr(cfg_data, "read_retries", d.retries)),
+                   str(getattr(cfg_data, "on_read_error", d.on_error)))
+
+    def backoff(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th failed try in a row: exponential, capped, with
+        jitter (so the workers of a job that all lost the same server do not come back in step)."""
+        return min(self.backoff_cap_s, self.backoff_s * 2 ** (failures - 1)) * (0.5 + random.random() / 2)
+
+
+class ShardReadError(OSError):
+    """A shard that could not be read after the policy's retries; the message names its public address."""
+
+    def __init__(self, address: str, why: str):
+        super().__init__(f"{store.public(address)}: {why}")
+        self.address = address
+
+
+def io_stats() -> dict:
+    """This process's remote read totals: {"bytes": n, "seconds": since its first remote read}."""
+    t0 = _BYTES["t0"]
+    return {"bytes": _BYTES["bytes"], "seconds": 0.0 if t0 is None else time.perf_counter() - t0}
+
+
+def _fatal(e: BaseException) -> bool:
+    """Errors another try cannot fix: the object is not there or we may not read it."""
+    return isinstance(e, (FileNotFoundError, PermissionError, store.AddressError))
+
+
+class ShardStream:
+    """A remote object from byte ``start`` as a read-only stream (``read(n)``, ``close()``, a context
+    manager). Memory is bounded by ``(depth + 1) × block`` bytes (module defaults BLOCK, DEPTH)."""
+
+    def __init__(self, address: str, start: int, policy: ReadPolicy, block: int | None = None,
+                 depth: int | None = None):
+        self.address, self.policy, self.block = address, policy, block or BLOCK
+        depth = depth or DEPTH
+        self._q: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._buf, self._off, self._eof = b"", 0, False
+        if _BYTES["t0"] is None:
+            _BYTES["t0"] = time.perf_counter()
+        self._thread = threading.Thread(target=self._produce, args=(start,), daemon=True,
+                                        name=f"shard-read {store.public(address)}")
+        self._thread.start()
+
+    # ── producer (background thread) ──
+    def _produce(self, pos: int) -> None:
+        f, failures = None, 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    if f is None:
+                        f = store.open_read(self.address, pos, self.policy.timeout_s, self.block, cache_type="none")
+                    b = f.read(self.block)
+                except Exception as e:  # noqa: BLE001 (each SDK has its own errors; store.reason names them)
+                    f = _close(f)
+                    failures += 1
+                    if _fatal(e) or failures > self.policy.retries:
+                        tries = "" if _fatal(e) else f" after {failures} tries"
+                        self._put(ShardReadError(self.address, f"unreadable{tries} at byte {pos} "
+                                                               f"({store.reason(e)})"))
+                        return
+                    self._stop.wait(self.policy.backoff(failures))
+                    continue
+                failures = 0
+                pos += len(b)
+                _BYTES["bytes"] += len(b)
+                self._put(b)
+                if not b:
+                    return
+        finally:
+            _close(f)
+
+    def _put(self, item) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.5)  # wakes now and then to notice close()
+                return
+            except queue.Full:
+                continue
+
+    # ── consumer ──
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (fewer only at the end of the object); ShardReadError when retries ran out."""
+        if n < 0:
+            n = 1 << 62
+        parts = []
+        while n > 0:
+            if self._off >= len(self._buf):
+                if self._eof:
+                    break
+                item = self._q.get()
+                if isinstance(item, BaseException):
+                    self._eof = True
+                    raise item
+                if not item:
+                    self._eof = True
+                    break
+                self._buf, self._off = item, 0
+            chunk = self._buf[self._off:self._off + n]
+            self._off += len(chunk)
+            n -= len(chunk)
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:  # unblock a producer waiting on a full queue
+            while True:
+                self._q.get_nowait()
+        except queue.Empty:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _close(f) -> None:
+    if f is not None:
+        try:
+            f.close()
+        except Exception:  # noqa: BLE001, S110 (a broken connection may fail to close; it is dropped anyway)
+            pass
+    return None

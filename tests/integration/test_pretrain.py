@@ -444,14 +444,23 @@ def test_resume_follows_rank0_under_a_stale_listing(reference, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_kill_and_resume_over_s3_is_bit_exact(reference, shards, tmp_path, s3_bucket):
-    """The same prep output in an S3 bucket (moto's server on loopback): 2 ranks x 2 loader workers
-    stream its shards, rank 1 is killed before step 5, and the resumed run (each stream starts at its
-    samples' byte offsets) ends with the losses and weights of the uninterrupted run over the folder."""
-    import fsspec
+    """`vitp prep` of the same images into an S3 bucket (moto's server on loopback), `vitp verify` of
+    it, then 2 ranks x 2 loader workers stream its shards, rank 1 is killed before step 5, and the
+    resumed run (each stream starts at its samples' byte offsets) ends with the losses and weights of
+    the uninterrupted run over the folder."""
+    folder = Path(shards[0].split("=", 1)[1])
+    url = f"{s3_bucket}/shards"
+    cli = [sys.executable, "-m", "launch.cli"]
+    r = subprocess.run([*cli, "prep", str(folder.parent / "images"), url, "--val-fraction", "0.2",
+                        "--max-samples-per-shard", "32", "--no-progress"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from data_prep import store
 
-    folder = shards[0].split("=", 1)[1]
-    fsspec.filesystem("s3", skip_instance_cache=True).put(folder + "/", s3_bucket[5:] + "/shards", recursive=True)
-    data = [f"data.path={s3_bucket}/shards", "data.workers=2"]
+    assert store.read_bytes(f"{url}/_info.json") == (folder / "_info.json").read_bytes()  # the folder's dataset
+    r = subprocess.run([*cli, "verify", url], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = [f"data.path={url}", "data.workers=2"]
     ref = reference(2, shards)
     assert pretrain(tmp_path, "engine.zero_stage=2", env={"VITP_TEST_KILL_AT_STEP": "5"}, data=data) != 0
     assert losses(tmp_path).keys() == {1, 2, 3, 4}

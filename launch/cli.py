@@ -71,7 +71,7 @@ EXIT_CODES: tuple[tuple[str, str, int], ...] = (
     ("data_prep.shards", "WorkerDied", 1),
     ("launch.cli", "CommandFailed", 1),
     # a mistake in what was asked (nothing started, or nothing done is lost): fix it and run again
-    ("pipeline.train.loop", "RunDirError", 2),
+    ("pipeline.train.build", "RunDirError", 2),
     ("pipeline.rundir", "RunDirBusy", 2),
     ("pipeline.distributed", "AcceleratorError", 2),
     ("pipeline.distributed", "RendezvousError", 2),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pipeline.config import Config
 from pipeline.distributed import setup
 from pipeline.rundir import own_run_dir
+from pipeline.train.build import build_run
 from pipeline.train.loop import Result, train
 from pipeline.weights import build_model
 
@@ -19,6 +20,7 @@ from pipeline.weights import build_model
 def pretrain(cfg: Config) -> Result:
     setup(cfg)
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
-        result = train(cfg, lambda num_classes: build_model(cfg, num_classes), stage="pretrain")
+        run = build_run(cfg, lambda num_classes: build_model(cfg, num_classes), stage="pretrain")
+        result = train(run)
         claim.finished = result.status == "completed"
     return result

@@ -75,7 +75,7 @@ EXIT_CODES: tuple[tuple[str, str, int], ...] = (
     ("pipeline.rundir", "RunDirBusy", 2),
     ("pipeline.distributed", "AcceleratorError", 2),
     ("pipeline.distributed", "RendezvousError", 2),
-    ("pipeline.tracking.mlflow_sink", "TrackingAccessError", 2),
+    ("pipeline.tracking.mlflow_store", "TrackingAccessError", 2),
     # ConfigError, DataError, WeightsError, PlanError, SubmitError: the project's bad values are ValueErrors
     ("builtins", "ValueError", 2),
     ("builtins", "FileNotFoundError", 2),

@@ -170,7 +170,7 @@ def check_tracking(cfgs: list, stage: str) -> None:
     environment: the job inherits it): a refused login, a missing permission or a TLS failure is one
     line naming the server, the reason and what to set; nothing is queued. An unreachable server is
     not refused here: the job buffers and spools (`vitp sync`)."""
-    from pipeline.tracking.mlflow_sink import access_problem
+    from pipeline.tracking.mlflow_store import access_problem
     from pipeline.tracking.setup import resolve_uri
 
     seen = set()

@@ -11,7 +11,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from pipeline.tracking.mlflow_sink import MlflowSink, TrackingAccessError, access_problem, source_tags
+from pipeline.tracking.mlflow_sink import MlflowSink
+from pipeline.tracking.mlflow_store import TrackingAccessError, access_problem, source_tags
 from pipeline.tracking.sink import Sink
 
 

@@ -30,7 +30,7 @@ SKIP_DIRS = {".venv", ".venv-floor", ".git", "build", "dist", "runs", "__pycache
 # module -> predicate on the repo-relative posix path of the importing file
 OWNERS = {
     "deepspeed": lambda p: p == "pipeline/train/engine.py",
-    "mlflow": lambda p: p == "pipeline/tracking/mlflow_sink.py",
+    "mlflow": lambda p: p in ("pipeline/tracking/mlflow_sink.py", "pipeline/tracking/mlflow_store.py"),
     "submitit": lambda p: p.startswith("launch/"),
     "webdataset": lambda p: p.startswith(("pipeline/data/", "data_prep/")),
 }

@@ -40,8 +40,8 @@ MODEL_LOADING_FILES = {"pipeline/model/convert.py", "pipeline/model/load.py"}
 STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate", "pipeline.preflight"}
 LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan",
            "pipeline.tracking")
-GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline.files", "pipeline.driver",
-          "pipeline.secrets", "pipeline.rundir")
+GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeline.model", "pipeline.files",
+          "pipeline.driver", "pipeline.secrets", "pipeline.rundir")
 # faults is a library module (its pause gate reads pipeline.train.stopping, lazily) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
 DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults"}

@@ -26,7 +26,9 @@ class Tracking:
 
     @classmethod
     def from_config(cls, cfg, run_dir: str | os.PathLike, *, rank: int) -> Tracking:
-        return cls(cfg.tracking, run_dir, rank=rank, run_name=cfg.run.name)
+        """From a stage config's ``tracking`` section and, where it has one (not `vitp eval`), ``run.name``."""
+        run = getattr(cfg, "run", None)
+        return cls(cfg.tracking, run_dir, rank=rank, run_name=run.name if run is not None else None)
 
     @property
     def uri(self) -> str:

@@ -178,7 +178,8 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
                                      world_size=world, split=cfg.data.val_split) if cfg.data.val_split else None)
     mixer = Mixer.from_config(cfg.data, info, seed=cfg.seed, rank=rank)
     ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
-    drops = PatchDrop(cfg, model, rank, device)
+    drops = PatchDrop(model, drop=cfg.model.patch_drop, until=t.patch_drop_until, seed=cfg.seed, rank=rank,
+                      device=device)
     schedule = Schedule(cfg.schedule, lr=cfg.optim.lr, total_steps=t.steps)
     flops = {on: step_flops(model, t.micro_batch * accum, cfg.model.patch_drop if on else 0.0)
              for on in (False, True)}  # by whether the step drops patches
@@ -186,8 +187,8 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     # the periodic work, in order (pipeline/train/periodic.py), and the parts a checkpoint holds
     window = Window(device)
     hit_key = "prec1" if info.multi_label else "top1"  # big_vision's prec@1
-    train_log = TrainLog(t, schedule, window, engine, loader, drops, flops, hit_key,
-                         peak_flops=cfg.hardware.peak_tflops * 1e12)
+    train_log = TrainLog(schedule, window, engine, loader, drops, flops, hit_key, every=t.log_every,
+                         last_step=t.steps, global_batch=t.global_batch, peak_flops=cfg.hardware.peak_tflops * 1e12)
     validation = Validation(val_loader, every=t.eval_every, engine=engine, source=source, num_classes=num_classes,
                             device=device, dtype=dtype, img_size=cfg.model.img_size,
                             loss=functools.partial(loss_fn, t.loss, reduction="none"))

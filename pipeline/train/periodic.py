@@ -79,14 +79,15 @@ class TrainLog:
     """The training record of the window since the last log: every ``train.log_every`` steps and at
     the last. Time spent in periodic work is not training time: the loop calls ``restart()`` after it.
 
-    Built once from the ``train`` section, the run's :class:`~pipeline.train.schedule.Schedule` and
-    the parts it reads (the window's sums, the engine's grad norm, the loader's skip counts)."""
+    Built once from the run's :class:`~pipeline.train.schedule.Schedule`, the parts it reads (the
+    window's sums, the engine's grad norm, the loader's skip counts), its timing (``every``:
+    train.log_every, ``last_step``: train.steps) and the step's size (``global_batch`` images)."""
 
     name = "train_log"
 
-    def __init__(self, train, schedule, window: Window, engine, loader, drops, flops: dict[bool, float],
-                 hit_key: str, *, peak_flops: float):
-        self.every, self.steps, self.global_batch = train.log_every, train.steps, train.global_batch
+    def __init__(self, schedule, window: Window, engine, loader, drops, flops: dict[bool, float], hit_key: str,
+                 *, every: int, last_step: int, global_batch: int, peak_flops: float):
+        self.every, self.steps, self.global_batch = every, last_step, global_batch
         self.schedule, self.window, self.engine, self.loader, self.drops = schedule, window, engine, loader, drops
         self.flops, self.hit_key = flops, hit_key  # flops: model FLOPs of a step, by whether it drops patches
         self.peak_flops = peak_flops  # one rank's accelerator, FLOP/s (hardware.peak_tflops)

@@ -7,7 +7,7 @@ of one list in order:
 
     TrainLog        the training window's loss, top-1, lr, throughput, MFU  (every train.log_every)
     Validation      loss and top-1 on the val split                          (every train.eval_every)
-    ...             tasks the caller adds (train(tasks=...))
+    ...             tasks the caller adds (build_run(tasks=...))
     CheckpointManager  (pipeline/train/checkpoint.py): saves                 (every checkpoint.every)
     FewshotEvaluators  (pipeline/train/evaluators.py)                        (every train.fewshot_every)
 

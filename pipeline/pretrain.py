@@ -2,10 +2,10 @@
 or a SLURM task (rank/world come from the environment).
 
 The ViT that ``cfg.model`` describes, its run's parts built once from ``cfg`` (pipeline/train/build.py)
-and trained by the one loop (pipeline/train/loop.py): one
-optimizer step = ``accum`` micro batches per rank (global batch = micro x accum x world); once in
-a while log, evaluate and checkpoint; a stop request (preemption, time limit) is agreed by all
-ranks at a step boundary, checkpointed and returned as status "stopped".
+and trained by the one loop (pipeline/train/loop.py): one optimizer step = ``accum`` micro batches
+per rank (global batch = micro x accum x world); once in a while log, evaluate and checkpoint; a stop
+request (preemption, time limit) is agreed by all ranks at a step boundary, checkpointed and
+returned as status "stopped".
 """
 
 from __future__ import annotations

@@ -72,11 +72,11 @@ EXIT_CODES: tuple[tuple[str, str, int], ...] = (
     ("data_prep.upload", "UploadFailed", 1),
     ("launch.cli", "CommandFailed", 1),
     # a mistake in what was asked (nothing started, or nothing done is lost): fix it and run again
-    ("pipeline.train.loop", "RunDirError", 2),
+    ("pipeline.train.build", "RunDirError", 2),
     ("pipeline.rundir", "RunDirBusy", 2),
     ("pipeline.distributed", "AcceleratorError", 2),
     ("pipeline.distributed", "RendezvousError", 2),
-    ("pipeline.tracking.mlflow_sink", "TrackingAccessError", 2),
+    ("pipeline.tracking.mlflow_store", "TrackingAccessError", 2),
     # ConfigError, DataError, WeightsError, PlanError, SubmitError: the project's bad values are ValueErrors
     ("builtins", "ValueError", 2),
     ("builtins", "FileNotFoundError", 2),

@@ -1,10 +1,11 @@
 """Upstream pre-training: ``pretrain(cfg) -> Result``, the same under run_local, torchrun, deepspeed
 or a SLURM task (rank/world come from the environment).
 
-The ViT that ``cfg.model`` describes, trained by the one loop (pipeline/train/loop.py): one
-optimizer step = ``accum`` micro batches per rank (global batch = micro x accum x world); once in
-a while log, evaluate and checkpoint; a stop request (preemption, time limit) is agreed by all
-ranks at a step boundary, checkpointed and returned as status "stopped".
+The ViT that ``cfg.model`` describes, its run's parts built once from ``cfg`` (pipeline/train/build.py)
+and trained by the one loop (pipeline/train/loop.py): one optimizer step = ``accum`` micro batches
+per rank (global batch = micro x accum x world); once in a while log, evaluate and checkpoint; a stop
+request (preemption, time limit) is agreed by all ranks at a step boundary, checkpointed and
+returned as status "stopped".
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from pipeline.config import Config
 from pipeline.distributed import setup
 from pipeline.rundir import own_run_dir
+from pipeline.train.build import build_run
 from pipeline.train.loop import Result, train
 from pipeline.weights import build_model
 
@@ -19,6 +21,7 @@ from pipeline.weights import build_model
 def pretrain(cfg: Config) -> Result:
     setup(cfg)
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
-        result = train(cfg, lambda num_classes: build_model(cfg, num_classes), stage="pretrain")
+        run = build_run(cfg, lambda num_classes: build_model(cfg, num_classes), stage="pretrain")
+        result = train(run)
         claim.finished = result.status == "completed"
     return result

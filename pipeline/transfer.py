@@ -22,6 +22,7 @@ from pipeline.data.loader import check_splits
 from pipeline.distributed import rank0_print, setup
 from pipeline.eval.classify import score_model, write_results
 from pipeline.rundir import own_run_dir
+from pipeline.train.build import build_run
 from pipeline.train.engine import param_groups_layer_decay
 from pipeline.train.loop import Finished, Result, train
 from pipeline.weights import build_from_source, load_model, source_lineage
@@ -76,8 +77,8 @@ def transfer(cfg: Config) -> Result:
     check_splits(cfg.data.path, {"data.val_split": cfg.data.val_split or "val"})  # publish scores it
     setup(cfg)
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
-        result = train(cfg, build, stage="transfer", finish=publish,
-                       param_groups=lambda m: param_groups_layer_decay(m, cfg.optim.layer_decay,
-                                                                       cfg.optim.weight_decay))
+        groups = lambda m: param_groups_layer_decay(m, cfg.optim.layer_decay, cfg.optim.weight_decay)  # noqa: E731
+        run = build_run(cfg, build, stage="transfer", param_groups=groups)
+        result = train(run, finish=publish)
         claim.finished = result.status == "completed"
     return result

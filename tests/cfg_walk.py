@@ -8,8 +8,10 @@ A call site is walked the first time it runs (the next step's calls are the same
 
     rooms    modules the walk visits
     stays    consecutive visits to one room (the walk's length)
-    climbs   moves back up: into a room that imports the one just left (directly or not), the walk
-             returning to a caller that fetched something from a part below it
+    climbs   moves back up: returns into a room that imports the one just left (directly or not), the
+             walk returning to a caller that fetched something from a part below it (a call that
+             walks into an importer, e.g. a base class's method calling its subclass's module, is
+             no return and no climb; ``--trace`` lists each climb with the call that returned)
     returns  moves into a room the walk had already left
 
 A part that owns its config (given once, when it is built) and its state keeps the walk short; a
@@ -61,11 +63,13 @@ def _sections(cfg) -> set[int]:
     return seen
 
 
-def trace(run) -> list[str]:
+def trace(run, moves: list | None = None) -> list[str]:
     """The rooms, in order, of the calls that are given ``cfg`` (or a section) while ``run(cfg)`` runs.
-    ``run`` -> (cfg, fn): the trace starts when ``fn(cfg)`` is called."""
+    ``run`` -> (cfg, fn): the trace starts when ``fn(cfg)`` is called. ``moves``, if given, gets one
+    entry per room: None where a call walked in, else (function, what it returned) where a return did."""
     cfg, fn = run()
     ids, stack, rooms, walked = _sections(cfg), [], [], set()
+    moves = [] if moves is None else moves
 
     def given_cfg(frame) -> bool:
         code = frame.f_code
@@ -73,10 +77,11 @@ def trace(run) -> list[str]:
         loc = frame.f_locals
         return any(id(loc.get(name)) in ids for name in code.co_varnames[:n])
 
-    def note() -> None:
+    def note(via=None) -> None:
         room = stack[-1][1] if stack else None
         if room is not None and (not rooms or rooms[-1] != room):
             rooms.append(room)
+            moves.append(via)
 
     def prof(frame, event, arg):
         if event == "call":
@@ -91,7 +96,9 @@ def trace(run) -> list[str]:
                     note()
         elif event == "return" and stack and stack[-1][0] is frame:
             if not stack.pop()[2]:
-                note()
+                code = frame.f_code
+                built = frame.f_locals.get("self") if code.co_name == "__init__" else arg
+                note((code.co_qualname, type(built).__qualname__))
 
     sys.setprofile(prof)
     try:
@@ -141,9 +148,11 @@ def above(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return closure
 
 
-def score(rooms: list[str]) -> dict:
+def score(rooms: list[str], moves: list | None = None) -> dict:
+    """``moves`` (from :func:`trace`): which moves were returns; without it every move may climb."""
     ups = above(import_graph())
-    climbs = sum(b in ups.get(a, set()) for a, b in zip(rooms, rooms[1:]))
+    moves = moves or [()] * len(rooms)
+    climbs = sum(b in ups.get(a, set()) and via is not None for a, b, via in zip(rooms, rooms[1:], moves[1:]))
     returns = sum(r in rooms[:i - 1] for i, r in enumerate(rooms) if i > 0)
     return {"rooms": len(set(rooms)), "stays": len(rooms), "climbs": climbs, "returns": returns}
 
@@ -168,11 +177,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.cfg_walk", description=__doc__.split("\n")[0])
     p.add_argument("--trace", action="store_true", help="print the rooms in order")
     args = p.parse_args(argv)
+    moves: list = []
     with tempfile.TemporaryDirectory() as d:
-        rooms = trace(lambda: tiny_pretrain(str(Path(d) / "run")))
+        rooms = trace(lambda: tiny_pretrain(str(Path(d) / "run")), moves)
     if args.trace:
         print(" -> ".join(r.removeprefix("pipeline.") for r in rooms))
-    s = score(rooms)
+        ups = above(import_graph())
+        for a, b, via in zip(rooms, rooms[1:], moves[1:]):
+            if via is not None and b in ups.get(a, set()):  # a climb: which call returned, and what
+                print(f"climb {a.removeprefix('pipeline.')} -> {b.removeprefix('pipeline.')}: "
+                      f"{via[0]} returned {via[1]}")
+    s = score(rooms, moves)
     print(f"cfg walk: {s['rooms']} rooms, {s['stays']} stays, {s['climbs']} climbs, {s['returns']} returns")
     return 0
 

@@ -16,11 +16,13 @@ win, section by section.
 
 from pipeline.config.loading import (
     RESOURCE_SECTIONS,
+    Resolved,
     apply_overrides,
     build,
     flatten,
     from_dict,
     load_config,
+    resolve,
     secret_values,
     to_dict,
     to_yaml,
@@ -53,8 +55,8 @@ from pipeline.config.sections import (
 
 __all__ = [
     "RESOURCE_SECTIONS", "CheckpointCfg", "ClusterCfg", "Config", "ConfigError", "DataCfg", "EngineCfg", "EvalCfg",
-    "EvalConfig", "HardwareCfg", "InitCfg", "ModelCfg", "OptimCfg", "PrepConfig", "RunCfg", "ScheduleCfg",
+    "EvalConfig", "HardwareCfg", "InitCfg", "ModelCfg", "OptimCfg", "PrepConfig", "Resolved", "RunCfg", "ScheduleCfg",
     "Section", "StageConfig", "TrackingCfg", "TrainCfg", "apply_overrides", "build", "fewshot_sets", "flatten",
-    "from_dict", "load_config", "secret_values", "to_dict", "to_yaml", "validate", "world_size_from_env",
+    "from_dict", "load_config", "resolve", "secret_values", "to_dict", "to_yaml", "validate", "world_size_from_env",
     "write_resolved",
 ]

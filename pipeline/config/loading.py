@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
@@ -211,23 +212,41 @@ def to_yaml(cfg: StageConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def _flat(d: dict, prefix: str = "", out: dict | None = None) -> dict[str, Any]:
+    out = {} if out is None else out
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            _flat(v, f"{prefix}{k}.", out)
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def flatten(cfg: StageConfig) -> dict[str, Any]:
     """Dotted keys → values, e.g. for MLflow params."""
-    out: dict[str, Any] = {}
+    return _flat(to_dict(cfg))
 
-    def walk(d, prefix):
-        for k, v in d.items():
-            if isinstance(v, dict) and v:
-                walk(v, f"{prefix}{k}.")
-            else:
-                out[f"{prefix}{k}"] = v
 
-    walk(to_dict(cfg), "")
-    return out
+@dataclass(frozen=True)
+class Resolved:
+    """A config as a run records it, resolved once (secrets redacted): ``yaml``, the text of the run
+    dir's ``config.yaml``, and ``params``, its dotted keys (MLflow params, the checkpoint manifest)."""
+
+    yaml: str
+    params: dict[str, Any]
+
+    def write(self, run_dir: str | os.PathLike) -> Path:
+        """Write ``config.yaml`` into ``run_dir``, atomically."""
+        from pipeline.files import atomic_write
+
+        return atomic_write(Path(run_dir) / "config.yaml", self.yaml)
+
+
+def resolve(cfg: StageConfig) -> Resolved:
+    data = to_dict(cfg)
+    return Resolved(yaml.safe_dump(data, sort_keys=False), _flat(data))
 
 
 def write_resolved(cfg: StageConfig, run_dir: str | os.PathLike) -> Path:
     """Write ``config.yaml`` (the resolved config) into ``run_dir``, atomically."""
-    from pipeline.files import atomic_write
-
-    return atomic_write(Path(run_dir) / "config.yaml", to_yaml(cfg))
+    return resolve(cfg).write(run_dir)

@@ -22,7 +22,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed import comm_device, setup
+from pipeline.distributed import comm_device
 
 
 def _deepspeed():
@@ -182,8 +182,8 @@ def build_engine(model: torch.nn.Module, cfg, param_groups: list[dict] | None = 
 
     param_groups: torch-style groups; an optional ``lr_scale`` key multiplies the lr that
     :func:`set_lr` sets (layer-wise lr decay). Default: AdamW-style decay / no-decay groups.
+    The stage has set up the process group (:func:`pipeline.distributed.setup`).
     """
-    setup(cfg)
     if cfg.model.grad_checkpointing and hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)
     compile_blocks(model, cfg)
@@ -195,6 +195,15 @@ def build_engine(model: torch.nn.Module, cfg, param_groups: list[dict] | None = 
     engine, _, _, _ = _deepspeed().initialize(args=args, model=model, optimizer=make_optimizer(groups, cfg),
                                            config=ds_cfg, dist_init_required=False)
     return engine
+
+
+def for_training(model: torch.nn.Module, cfg, param_groups: list[dict] | None = None, *,
+                 load_universal: bool = False) -> tuple[object, torch.dtype, int]:
+    """What the training step drives, from the ``engine``, ``optim``, ``train`` and ``model`` sections:
+    (the DeepSpeed engine of :func:`build_engine`, the model's input dtype, micro batches per
+    optimizer step on each rank)."""
+    engine = build_engine(model, cfg, param_groups, load_universal=load_universal)
+    return engine, input_dtype(cfg), grad_accumulation(cfg, dist.get_world_size())
 
 
 def set_lr(engine, lr: float) -> None:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from pipeline import faults
-from pipeline.config import Config, DataCfg, fewshot_sets
+from pipeline.config import DataCfg, fewshot_sets
 from pipeline.data import DataError
 from pipeline.data import loader as shard_loader
 from pipeline.data.shards import SkipCounts, read_shard
@@ -85,9 +85,9 @@ def nested_shots(labels: np.ndarray, shots: list[int], num_classes: int, seed: i
 class _Set:
     """One few-shot dataset: its subset, its test split, and (maybe) their decoded batches."""
 
-    def __init__(self, name: str, path: str, cfg: Config, rank: int, world: int):
+    def __init__(self, name: str, path: str, section, *, img_size: int, crop_pct: float, rank: int, world: int):
         self.name = name
-        self.data = DataCfg(path=path, workers=0, eval_crop_pct=cfg.data.eval_crop_pct, val_split="test")
+        self.data = DataCfg(path=path, workers=0, eval_crop_pct=crop_pct, val_split="test")
         try:
             self.info = shard_loader.read_info(path)
             self.info.split("train")
@@ -97,11 +97,11 @@ class _Set:
         if self.info.multi_label:
             raise DataError(f"eval.fewshot_data: {path} is multi-label; few-shot needs single-label data")
         labels = train_labels(self.info, "train", rank, world)
-        self.shots, skipped = nested_shots(labels, list(cfg.eval.fewshot_shots), self.info.num_classes)
+        self.shots, skipped = nested_shots(labels, list(section.fewshot_shots), self.info.num_classes)
         for k, why in skipped.items():
             rank0_print(f"few-shot {self.name}: {k}-shot skipped ({why})")
         self.subset = self.shots[max(self.shots)] if self.shots else np.zeros(0, dtype=np.int64)
-        kw = dict(img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=rank, world_size=world, num_workers=0)
+        kw = dict(img_size=img_size, batch=section.batch, rank=rank, world_size=world, num_workers=0)
         self.loaders = {"train": shard_loader.EvalLoader(self.data, split="train", positions=self.subset.tolist(),
                                                          **kw),
                         "test": shard_loader.EvalLoader(self.data, split="test", **kw)}
@@ -130,18 +130,23 @@ class _Set:
 class FewshotEvaluators:
     """The few-shot evaluators of a run, as one periodic task of the training loop ("fewshot": due every
     ``train.fewshot_every`` steps and at ``last_step``, after that step's checkpoint) and one checkpointed
-    state (its progress: the newest evaluated step, equal on every rank)."""
+    state (its progress: the newest evaluated step, equal on every rank).
+
+    Built once from the ``eval`` section (``fewshot_data``, ``fewshot_shots``, ``fewshot_l2``,
+    ``batch``), the training resolution and ``data.eval_crop_pct``."""
 
     name = "fewshot"
     checkpoint_scope = "shared"
 
-    def __init__(self, cfg: Config, engine, device, dtype, *, last_step: int):
-        self.cfg, self.engine, self.device, self.dtype = cfg, engine, device, dtype
+    def __init__(self, section, engine, device, dtype, *, every: int, last_step: int, img_size: int,
+                 crop_pct: float):
+        self.engine, self.device, self.dtype, self.l2 = engine, device, dtype, section.fewshot_l2
         self.rank, self.world = rank_world()
         t0 = time.perf_counter()
-        self.every, self.last_step = cfg.train.fewshot_every, last_step
-        self.sets = [_Set(n, p, cfg, self.rank, self.world) for n, p in fewshot_sets(cfg.eval.fewshot_data)]
-        budget = sum(s.rank_bytes(cfg.model.img_size) for s in self.sets)
+        self.every, self.last_step = every, last_step
+        self.sets = [_Set(n, p, section, img_size=img_size, crop_pct=crop_pct, rank=self.rank, world=self.world)
+                     for n, p in fewshot_sets(section.fewshot_data)]
+        budget = sum(s.rank_bytes(img_size) for s in self.sets)
         self.cache = budget <= CACHE_BYTES
         self.done = 0  # the newest evaluated step
         self.setup_s = time.perf_counter() - t0  # logged with the first evaluation
@@ -225,8 +230,7 @@ class FewshotEvaluators:
                 if len(idx) < len(subset):
                     warnings.warn(f"few-shot {s.name}: {len(subset) - len(idx)} of the {k}-shot images did not "
                                   "decode; solved without them", stacklevel=2)
-                acc = fs.ridge_accuracy(tr_x[idx], tr_y[idx], te_x, te_y, s.info.num_classes,
-                                        self.cfg.eval.fewshot_l2)
+                acc = fs.ridge_accuracy(tr_x[idx], tr_y[idx], te_x, te_y, s.info.num_classes, self.l2)
                 out[f"{PREFIX}{s.name}/{k}shot"] = acc
         wait_for_rank0()  # the solve is rank 0's alone: the others wait outside any collective's timeout
         return out

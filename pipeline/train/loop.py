@@ -1,7 +1,8 @@
-"""The one training loop, for pre-training and fine-tuning alike.
+"""The one training loop, for pre-training and fine-tuning alike, over a built :class:`Run`.
 
-    set up: process group, run dir (resume or start), model -> DeepSpeed engine, loader, tracker;
-            the periodic tasks and the checkpoint manager, which restores every named state
+    built before (pipeline/train/build.py, from cfg, once): run dir (resume or start), model ->
+            DeepSpeed engine, loader, mixer, schedule, tracker; the periodic tasks and the checkpoint
+            manager, which has restored every named state
     each step:
         forward_backward   over the micro batches; loss and top-1 (precision@1 on multi-label data)
                            accumulate on the device
@@ -12,8 +13,8 @@
                            metrics go to one record, written before the checkpoint and after the step
     finish: final checkpoint, final eval, consolidated weights, artifacts, the caller's ``finish``
 
-What differs between stages comes in as arguments (the model, its parameter groups, what happens to
-the final model); the loop never asks which stage it runs.
+What differs between stages comes in through the builder (the model, its parameter groups) and
+``finish`` (what happens to the final model); the loop never asks which stage it runs, nor reads cfg.
 
 GPU habits: a step makes no host<->device sync except at ``train.log_every`` (and at steps where
 other periodic work is due, which sync anyway): the stop/non-finite flags are all-reduced on the
@@ -24,31 +25,21 @@ without blocking. Rank-0-only work happens after the last collective of the run.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline import data as data_lib
 from pipeline import faults
-from pipeline.config import Config, flatten, to_yaml, write_resolved
-from pipeline.data.loader import check_splits
-from pipeline.data.mixing import Mixer
-from pipeline.distributed import all_reduce, broadcast_from_rank0, rank0_print, rank_world, setup, wait_for_rank0
+from pipeline.distributed import all_reduce, rank0_print, wait_for_rank0
 from pipeline.eval.figures import loss_curve_png
-from pipeline.tracking import METRICS, JsonlSink, Sinks
-from pipeline.tracking.setup import check_access, configured_sinks, start_mlflow
+from pipeline.tracking import Sinks
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
 from pipeline.train import stopping
-from pipeline.train.checkpoint import CheckpointManager, RngState, Stateful
-from pipeline.train.ema import Ema
-from pipeline.train.evaluators import FewshotEvaluators
-from pipeline.train.loss import loss_fn, top1_hits
-from pipeline.train.patchdrop import PatchDrop
-from pipeline.train.periodic import Periodic, TrainLog, Validation, Window
-from pipeline.train.schedule import lr_for
+from pipeline.train.build import Run
+from pipeline.train.loss import top1_hits
 
 
 @dataclass
@@ -67,53 +58,15 @@ class NonFiniteLoss(RuntimeError):
     pass
 
 
-class RunDirError(RuntimeError):
-    pass
-
-
 @dataclass
 class Finished:
     """What the caller's ``finish`` gets, on every rank, once the run's weights are published."""
 
-    cfg: Config
     engine: object
     tracker: object
     result: Result
     rank: int
     world: int
-
-
-# --------------------------------------------------------------------------------------------------
-# Run directory
-# --------------------------------------------------------------------------------------------------
-def prepare_run_dir(cfg: Config, rank: int) -> Path | None:
-    """The checkpoint to resume from, if any; refuses to reuse a foreign non-empty run dir.
-
-    Collective: rank 0 decides from its view of the shared file system and every rank follows it (another
-    rank's cached listing may be stale); only rank 0 deletes (run.fresh=true).
-    """
-    import shutil
-
-    run_dir = Path(cfg.run.dir)
-    entries = [p.name for p in run_dir.iterdir() if not p.name.startswith(".owner")] if run_dir.is_dir() else []
-    if cfg.run.fresh:
-        wait_for_rank0()  # everyone has looked before rank 0 deletes
-        if rank == 0 and entries:
-            print(f"run.fresh=true: starting over in {run_dir} (deleting its checkpoints and metrics)", flush=True)
-            shutil.rmtree(ckpt_lib.root(run_dir), ignore_errors=True)
-            for name in ("metrics.jsonl", "model.safetensors", "loss_curve.png", "mlflow_spool.jsonl"):
-                (run_dir / name).unlink(missing_ok=True)
-        wait_for_rank0()
-        return None
-    latest = ckpt_lib.resume_choice(run_dir)
-    if latest is not None:
-        return latest
-    ours = run_dir / "config.yaml"
-    foreign = rank == 0 and entries and not (ours.is_file() and ours.read_text() == to_yaml(cfg))
-    if broadcast_from_rank0(bool(foreign)):
-        raise RunDirError(f"run.dir {run_dir} is not empty and holds no complete checkpoint of this config; "
-                          "pass run.fresh=true to start over there, or choose another run.dir")
-    return None  # empty, or an earlier attempt of this very run that died before its first checkpoint
 
 
 # --------------------------------------------------------------------------------------------------
@@ -159,18 +112,6 @@ class Agreement:
         return stop, bad
 
 
-def step_flops(model, cfg: Config, images_per_rank: int, patch_drop: float = 0.0) -> float:
-    """Model FLOPs of one optimizer step on one rank (forward + backward, no recomputation: MFU
-    counts the model's work, not what activation checkpointing repeats), on the tokens computed."""
-    try:
-        from pipeline.model.flops import train_step_flops
-
-        return float(train_step_flops(model.config, batch=images_per_rank, grad_checkpointing=False,
-                                      patch_drop=patch_drop))
-    except Exception:  # MFU is a nicety; a model the counter does not know just reports none
-        return float("nan")
-
-
 def _draw_figures(sd: dict, model_config: dict, images: torch.Tensor | None, out: Path) -> list[Path]:
     """The paper's figures for the final weights; a figure that fails to draw warns, never fails the run."""
     from pipeline.eval.figures import write_figures
@@ -197,116 +138,28 @@ class MetricsLog:
             self.sinks.log(record, step)
 
 
-@dataclass
-class Parts:
-    """The run's parts a caller's periodic task may need (``train(tasks=[lambda parts: ...])``)."""
-
-    cfg: Config
-    engine: object
-    loader: object
-    source: data_lib.DataSource  # pipeline.data.source_for(cfg.data.path)
-    num_classes: int
-    device: torch.device
-    dtype: torch.dtype
-    rank: int
-    world: int
-
-
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
-def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
-          param_groups: Callable[[torch.nn.Module], list[dict]] | None = None, stage: str = "pretrain",
-          finish: Callable[[Finished], None] | None = None,
-          tasks: Sequence[Callable[[Parts], Periodic]] = (), states: Mapping[str, Stateful] | None = None
-          ) -> Result:
-    """Train the model ``build_model(num_classes)`` as ``cfg`` says; resume from run.dir's newest
-    complete checkpoint. ``param_groups(model)``: optimizer groups (default: decay / no decay);
-    ``stage``: the MLflow tag; ``finish(Finished)``: runs on every rank once the final weights are
-    published, before the tracker closes (fine-tuning's final evaluation and model registration).
-    ``tasks``: factories of more periodic tasks (run after validation, before the checkpoint; one with
-    ``state_dict`` is checkpointed under its name); ``states``: more named parts to checkpoint.
-    """
+def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Result:
+    """Train the built ``run`` from its ``step`` to its ``steps``; ``finish(Finished)`` runs on every
+    rank once the final weights are published, before the tracker closes (fine-tuning's final
+    evaluation and model registration)."""
     from pipeline.weights import save_weights
 
-    setup(cfg)
-    rank, world = rank_world()
-    run_dir = Path(cfg.run.dir)
-    resume_from = prepare_run_dir(cfg, rank)
-    source = data_lib.source_for(cfg.data.path)
-    # a missing split fails now, in one line, not after the last step
-    check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split})
-    check_access(cfg, run_dir, rank=rank)  # a refused login fails now, in one line, not after training
-    hit_key = "prec1" if source.read_info().multi_label else "top1"  # big_vision's prec@1
-
-    # model: identical initialisation on every rank, then per-rank randomness (dropout)
-    torch.manual_seed(cfg.seed)
-    num_classes = data_lib.num_classes(cfg.data, cfg.model.num_classes)
-    model = build_model(num_classes)
-    torch.manual_seed(cfg.seed * 1000 + rank)
-    universal = ckpt_lib.universal_for(resume_from, world) if resume_from else None
-    engine = eng_lib.build_engine(model, cfg, param_groups(model) if param_groups else None,
-                                  load_universal=universal is not None)
-    device, dtype = engine.device, eng_lib.input_dtype(cfg)
-    accum = eng_lib.grad_accumulation(cfg, world)
-    loader = source.train_loader(cfg.data, img_size=cfg.model.img_size, micro_batch=cfg.train.micro_batch,
-                                 global_batch=cfg.train.global_batch, rank=rank, world_size=world, seed=cfg.seed,
-                                 pin_memory=device.type == "cuda")
-    mixer = Mixer.from_config(cfg.data, source.read_info(), seed=cfg.seed, rank=rank)
-    ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
-    window, agree = Window(device), Agreement(device)
-    drops = PatchDrop(cfg, model, rank, device)
-    flops = {on: step_flops(model, cfg, cfg.train.micro_batch * accum, cfg.model.patch_drop if on else 0.0)
-             for on in (False, True)}  # by whether the step drops patches
-
-    # the periodic work, in order (pipeline/train/periodic.py), and the parts a checkpoint holds
-    parts = Parts(cfg, engine, loader, source, num_classes, device, dtype, rank, world)
-    train_log = TrainLog(cfg, window, engine, loader, drops, flops, hit_key)
-    validation = Validation(cfg, engine, source, num_classes, device, dtype)
-    fewshot = FewshotEvaluators(cfg, engine, device, dtype, last_step=cfg.train.steps)
-    added = [make(parts) for make in tasks]
-    named = {"rng": RngState(), "loader": loader, "window": window, **({"ema": ema} if ema is not None else {}),
-             **{t.name: t for t in (*added, fewshot) if hasattr(t, "state_dict")}, **(states or {})}
-    checkpoints = CheckpointManager(run_dir, engine, named, every=cfg.checkpoint.every,
-                                    last_step=cfg.train.steps, keep=cfg.checkpoint.keep)
-    periodic = [train_log, validation, *added, checkpoints, fewshot]
+    engine, loader, source, mixer, drops = run.engine, run.loader, run.source, run.mixer, run.drops
+    device, dtype, accum, tracker, checkpoints = run.device, run.dtype, run.accum, run.tracker, run.checkpoints
+    step, periodic, train_log, validation = run.step, run.periodic, run.train_log, run.validation
     after_save = periodic[periodic.index(checkpoints) + 1:]
-
-    resumed = checkpoints.restore(resume_from, universal) if resume_from is not None else None
-    step, manifest = (resumed.step, resumed.manifest) if resumed else (0, {})
-    if resumed:
-        rank0_print(f"resuming from {resume_from} (step {step}, saved by {manifest['world_size']} ranks)")
-    if rank == 0:
-        write_resolved(cfg, run_dir)
-    # rank 0's records: metrics.jsonl (past the resumed step dropped: they run again), MLflow, tracking.sinks
-    metrics_file = JsonlSink(run_dir / METRICS, keep_up_to=step) if rank == 0 else None
-    history = metrics_file.records if metrics_file else []
-    fewshot.skip_logged(history)
-    datasets = {cfg.data.train_split: "training", cfg.data.val_split: "evaluation"}
-    tracker = Sinks(metrics_file, start_mlflow(
-        cfg, run_dir, rank=rank, world_size=world, stage=stage, run_id=manifest.get("mlflow_run_id"),
-        run_key=manifest.get("mlflow_run_key"), params=flatten(cfg),  # params: logged only if a new run is made
-        datasets=data_lib.dataset_inputs(cfg.data.path, datasets) if rank == 0 else None),
-        *configured_sinks(cfg, run_dir, rank=rank))
-    checkpoints.manifest = lambda: {
-        "config": flatten(cfg), "model_config": model.config, "zero_stage": cfg.engine.zero_stage,
-        "precision": cfg.engine.precision, "mlflow_run_id": tracker.run_id, "mlflow_run_key": tracker.run_key,
-        "mlflow_uri": tracker.uri}
-    log = MetricsLog(tracker)
-    close_timeout = cfg.tracking.close_timeout_s
-    n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
-    rank0_print(f"{stage}: {world} rank(s) on {device.type}, ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
-                f"global batch {cfg.train.global_batch} = {cfg.train.micro_batch} x {accum} accum x {world}, "
-                f"steps {step}->{cfg.train.steps}" + (f", {n_params / 1e6:.2f}M params" if n_params else "")
-                + (f", {drops.describe()}" if drops.drop else ""))
+    log, agree = MetricsLog(tracker), Agreement(device)
 
     def check(lag: bool) -> float:
         """The agreed stop code; raises NonFiniteLoss (on every rank alike) before anything is saved."""
         stop, bad = agree.read(lag=lag)
         if bad is not None:
             tracker.close(status="FAILED", timeout=10.0)
-            raise NonFiniteLoss(f"step {bad}: non-finite loss (lr {lr_for(cfg, bad - 1):.3g}); stopped before "
-                                f"saving it; last complete checkpoint: {ckpt_lib.latest_checkpoint(run_dir) or 'none'}")
+            raise NonFiniteLoss(f"step {bad}: non-finite loss (lr {run.schedule(bad - 1):.3g}); stopped before saving "
+                                f"it; last complete checkpoint: {ckpt_lib.latest_checkpoint(run.run_dir) or 'none'}")
         return stop
 
     def stopped(stop: float) -> Result:
@@ -314,8 +167,8 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
         stop = max(stop, check(lag=False))  # every rank reads every posted step before agreeing
         reason = "requeue" if stop == 2 else (stopping.stop_reason() or "cancel")
         rank0_print(f"stopping at step {step} ({reason}); checkpoint {checkpoints.save(step)}")
-        tracker.close(timeout=min(close_timeout, 10.0))
-        return Result("stopped", step, str(run_dir), reason=reason, loss=train_log.last.get("loss"),
+        tracker.close(timeout=min(run.close_timeout, 10.0))
+        return Result("stopped", step, str(run.run_dir), reason=reason, loss=train_log.last.get("loss"),
                       mlflow_run_id=tracker.run_id)
 
     def forward_backward(batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +182,7 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
             x, targets = mixer(x, labels, loader.position)
             keep = drops.keep(step, m, len(labels))  # None: every patch
             logits = (engine(x.to(dtype)) if keep is None else engine(x.to(dtype), keep=keep)).float()
-            loss = loss_fn(cfg.train.loss, logits, targets, label_smoothing=cfg.data.label_smoothing)
+            loss = run.loss(logits, targets)
             engine.backward(loss)
             if m < accum - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro step
@@ -344,19 +197,19 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     for task in after_save:  # a resumed run whose evaluators a stop or a kill cut short
         if task.due(step):
             log.write(step, task.run(step))
-    while step < cfg.train.steps:
+    while step < run.steps:
         faults.hit("step", step + 1)
-        eng_lib.set_lr(engine, lr_for(cfg, step))
+        eng_lib.set_lr(engine, run.schedule(step))
         sync = any(task.due(step + 1) for task in periodic)  # these steps wait for the device anyway
 
         step_sums, images = forward_backward(batches, step)
         agree.post(step + 1, stopping.stop_reason(), step_sums[0])
         stop = max(stop, check(lag=not sync))  # a non-finite loss stops before this optimizer step
         engine.step()  # the boundary: clip, optimizer update
-        if ema is not None:
-            ema.update(engine.module)
+        if run.ema is not None:
+            run.ema.update(engine.module)
         step += 1
-        window.add(step_sums)
+        run.window.add(step_sums)
 
         record, ran = {}, False  # one record of the due tasks' metrics per step (and one after the checkpoint)
         for task in periodic:
@@ -375,20 +228,21 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     # the end: final checkpoint, final eval, consolidated fp32 weights, artifacts
     if checkpoints.saved_at != step:
         checkpoints.save(step)
-    if cfg.data.val_split and validation.last is None:  # none ran in this job: once at the end
+    if validation.enabled and validation.last is None:  # none ran in this job: once at the end
         log.write(step, validation.run(step))
+    run_dir = run.run_dir
     weights = run_dir / "model.safetensors"
     result = Result("completed", step, str(run_dir), loss=train_log.last.get("loss"),
                     val_top1=(validation.last or {}).get("val_top1"), weights=str(weights),
                     mlflow_run_id=tracker.run_id)
     # rank 0's work below reads files, not the group: no rank waits inside a collective meanwhile
-    if rank == 0:
+    if run.rank == 0:
         sd, model_config = ckpt_lib.read_weights(checkpoints.path(step))
-        if ema is not None:  # the averaged weights are the ones to ship; raw ones stay in checkpoints
-            averaged = ema.state_dict()
+        if run.ema is not None:  # the averaged weights are the ones to ship; raw ones stay in checkpoints
+            averaged = run.ema.state_dict()
             sd = {k: averaged.get(k, v) for k, v in sd.items()}
         save_weights(sd, model_config, weights)
-        png = loss_curve_png(history, run_dir / "loss_curve.png")
+        png = loss_curve_png(run.history, run_dir / "loss_curve.png")
         for path in (run_dir / "config.yaml", weights, png):
             if path is not None:
                 tracker.log_artifact(path)
@@ -397,6 +251,6 @@ def train(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
         rank0_print(f"done: {weights}")
     wait_for_rank0()  # the weights file exists for every rank's finish
     if finish is not None:
-        finish(Finished(cfg, engine, tracker, result, rank, world))
-    tracker.close(status="FINISHED", timeout=close_timeout)
+        finish(Finished(engine, tracker, result, run.rank, run.world))
+    tracker.close(status="FINISHED", timeout=run.close_timeout)
     return result

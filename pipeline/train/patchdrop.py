@@ -23,10 +23,12 @@ class PatchDrop:
     """``keep(step, micro, batch)`` -> [batch, K] patch indices for the training forward, or None
     (off, or past train.patch_drop_until). ``step`` counts completed optimizer steps (0 for the first)."""
 
-    def __init__(self, cfg, model: torch.nn.Module, rank: int, device: torch.device):
-        self.drop = float(cfg.model.patch_drop)
-        self.until = cfg.train.patch_drop_until
-        self.seed, self.rank = int(cfg.seed), rank
+    def __init__(self, model: torch.nn.Module, *, drop: float, until: int | None, seed: int, rank: int,
+                 device: torch.device):
+        """``drop``: model.patch_drop; ``until``: train.patch_drop_until; ``seed``: the run's seed."""
+        self.drop = float(drop)
+        self.until = until
+        self.seed, self.rank = int(seed), rank
         gh, gw = model.patch_grid if self.drop else (0, 0)  # any model trains with patch dropping off
         self.num_patches = gh * gw
         self.kept = kept_patches(self.num_patches, self.drop) if self.drop else self.num_patches

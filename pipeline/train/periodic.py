@@ -7,7 +7,7 @@ of one list in order:
 
     TrainLog        the training window's loss, top-1, lr, throughput, MFU  (every train.log_every)
     Validation      loss and top-1 on the val split                          (every train.eval_every)
-    ...             tasks the caller adds (train(tasks=...))
+    ...             tasks the caller adds (build_run(tasks=...))
     CheckpointManager  (pipeline/train/checkpoint.py): saves                 (every checkpoint.every)
     FewshotEvaluators  (pipeline/train/evaluators.py)                        (every train.fewshot_every)
 
@@ -19,16 +19,14 @@ must remember which steps they did (their state) to be re-run safely.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-from pipeline.config import Config
-from pipeline.distributed import all_reduce, rank0_print, rank_world
+from pipeline.distributed import all_reduce, rank0_print
 from pipeline.eval.classify import classify, classify_multilabel
 from pipeline.train import engine as eng_lib
-from pipeline.train.loss import loss_fn
-from pipeline.train.schedule import lr_for
 
 
 class Periodic(Protocol):
@@ -79,14 +77,20 @@ class Window:
 
 class TrainLog:
     """The training record of the window since the last log: every ``train.log_every`` steps and at
-    the last. Time spent in periodic work is not training time: the loop calls ``restart()`` after it."""
+    the last. Time spent in periodic work is not training time: the loop calls ``restart()`` after it.
+
+    Built once from the run's :class:`~pipeline.train.schedule.Schedule`, the parts it reads (the
+    window's sums, the engine's grad norm, the loader's skip counts), its timing (``every``:
+    train.log_every, ``last_step``: train.steps) and the step's size (``global_batch`` images)."""
 
     name = "train_log"
 
-    def __init__(self, cfg: Config, window: Window, engine, loader, drops, flops: dict[bool, float],
-                 hit_key: str):
-        self.cfg, self.window, self.engine, self.loader, self.drops = cfg, window, engine, loader, drops
+    def __init__(self, schedule, window: Window, engine, loader, drops, flops: dict[bool, float], hit_key: str,
+                 *, every: int, last_step: int, global_batch: int, peak_flops: float):
+        self.every, self.steps, self.global_batch = every, last_step, global_batch
+        self.schedule, self.window, self.engine, self.loader, self.drops = schedule, window, engine, loader, drops
         self.flops, self.hit_key = flops, hit_key  # flops: model FLOPs of a step, by whether it drops patches
+        self.peak_flops = peak_flops  # one rank's accelerator, FLOP/s (hardware.peak_tflops)
         self.last: dict = {}  # the newest record
         self.restart()
 
@@ -94,22 +98,22 @@ class TrainLog:
         self.t0 = time.perf_counter()
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
+        return step % self.every == 0 or step == self.steps
 
     def run(self, step: int) -> dict:
-        cfg, drops, n = self.cfg, self.drops, self.window.steps
+        drops, n = self.drops, self.window.steps
         loss, top1, _ = self.window.reduce()
         dt = (time.perf_counter() - self.t0) / max(n, 1)
         window_flops = sum(self.flops[drops.active(s)] for s in range(step - n, step))
-        lr = lr_for(cfg, step - 1)  # the rate step ``step`` trained with
+        lr = self.schedule(step - 1)  # the rate step ``step`` trained with
         record = {"loss": loss, self.hit_key: top1, "lr": lr, "grad_norm": eng_lib.grad_norm(self.engine),
-                  "images_per_s": cfg.train.global_batch / dt, "step_s": dt,
-                  "mfu": window_flops / max(n, 1) / dt / (cfg.hardware.peak_tflops * 1e12),
+                  "images_per_s": self.global_batch / dt, "step_s": dt,
+                  "mfu": window_flops / max(n, 1) / dt / self.peak_flops,
                   "skipped": int(sum(self.loader.skipped.values())), **memory_gb(),
                   **(self.loader.read_stats() if hasattr(self.loader, "read_stats") else {})}
         if drops.drop:  # the fraction this window's last step dropped (0 after train.patch_drop_until)
             record["patch_drop"] = drops.drop if drops.active(step - 1) else 0.0
-        rank0_print(f"step {step:>7d}/{cfg.train.steps}  loss {loss:.4f}  {headline(record)}  lr {lr:.2e}  "
+        rank0_print(f"step {step:>7d}/{self.steps}  loss {loss:.4f}  {headline(record)}  lr {lr:.2e}  "
                     f"gnorm {record['grad_norm']:.3f}  {record['images_per_s']:.1f} img/s  "
                     f"mfu {record['mfu']:.1%}  rss {record['rss_gb']:.1f}G")
         self.last = record
@@ -125,35 +129,35 @@ def memory_gb() -> dict:
     return out
 
 
-def validate(engine, cfg: Config, source, num_classes: int, device, dtype) -> dict:
-    """Top-1 (precision@1 on multi-label data: ``val_prec1``) and loss on the val split through the
-    one eval loop, each sample once over the ranks."""
-    rank, world = rank_world()
-    loader = source.eval_loader(cfg.data, img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=rank,
-                                world_size=world, split=cfg.data.val_split)
-    multi = source.read_info().multi_label
-    res = (classify_multilabel if multi else classify)(
-        engine, loader, num_classes, device=device, prepare=source.normalize, dtype=dtype,
-        loss=lambda lg, y: loss_fn(cfg.train.loss, lg, y, reduction="none"),
-        dummy_shape=(1, 3, cfg.model.img_size, cfg.model.img_size))
-    head = {"val_prec1": res.prec1} if multi else {"val_top1": res.top1}
-    return {**head, "val_loss": res.loss, "val_n": res.n}
-
-
 class Validation:
-    """Loss and top-1 on ``data.val_split`` every ``train.eval_every`` steps (collective)."""
+    """Loss and top-1 (precision@1 on multi-label data: ``val_prec1``) on the val split every
+    ``train.eval_every`` steps (collective), through the one eval loop, each sample once over the ranks.
+
+    ``loader``: this rank's share of the val split (re-read at each validation), None without one;
+    ``loss(logits, targets)``: per-sample losses [B]."""
 
     name = "validation"
 
-    def __init__(self, cfg: Config, engine, source, num_classes: int, device, dtype):
-        self.cfg, self.args = cfg, (engine, cfg, source, num_classes, device, dtype)
+    def __init__(self, loader, *, every: int, engine, source, num_classes: int, device, dtype,
+                 loss: Callable, img_size: int):
+        self.loader, self.every, self.engine, self.source = loader, every, engine, source
+        self.num_classes, self.device, self.dtype, self.loss = num_classes, device, dtype, loss
+        self.dummy_shape = (1, 3, img_size, img_size)
         self.last: dict | None = None  # the newest result of this process
 
+    @property
+    def enabled(self) -> bool:
+        return self.loader is not None
+
     def due(self, step: int) -> bool:
-        every = self.cfg.train.eval_every
-        return bool(self.cfg.data.val_split and every and step % every == 0)
+        return bool(self.enabled and self.every and step % self.every == 0)
 
     def run(self, step: int) -> dict:
-        self.last = validate(*self.args)
+        multi = self.source.read_info().multi_label
+        res = (classify_multilabel if multi else classify)(
+            self.engine, self.loader, self.num_classes, device=self.device, prepare=self.source.normalize,
+            dtype=self.dtype, loss=self.loss, dummy_shape=self.dummy_shape)
+        head = {"val_prec1": res.prec1} if multi else {"val_top1": res.top1}
+        self.last = {**head, "val_loss": res.loss, "val_n": res.n}
         rank0_print(f"step {step:>7d}  {headline(self.last, 'val_')}  ({self.last['val_n']} images)")
         return self.last

@@ -25,8 +25,14 @@ def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int = 0, deca
     raise ValueError(f"schedule.decay: unknown decay {decay!r}")
 
 
-def lr_for(cfg, step: int) -> float:
-    """``lr_at`` with the config's optim/schedule/train sections."""
-    s = cfg.schedule
-    return lr_at(step, lr=cfg.optim.lr, total_steps=cfg.train.steps, warmup_steps=s.warmup_steps,
-                 decay=s.decay, end_lr=s.end_lr)
+class Schedule:
+    """The run's learning rate by optimizer step, built once from the ``schedule`` section, the peak
+    ``lr`` (optim.lr) and the run's length; ``schedule(step)`` -> lr (its whole state is the step)."""
+
+    def __init__(self, section, *, lr: float, total_steps: int):
+        self.lr, self.total_steps = lr, total_steps
+        self.warmup_steps, self.decay, self.end_lr = section.warmup_steps, section.decay, section.end_lr
+
+    def __call__(self, step: int) -> float:
+        return lr_at(step, lr=self.lr, total_steps=self.total_steps, warmup_steps=self.warmup_steps,
+                     decay=self.decay, end_lr=self.end_lr)

@@ -44,18 +44,18 @@ def test_only_published_checkpoints_count(tmp_path):
 
 
 def test_run_dir_guard(tmp_path):
-    from pipeline.config import load_config, write_resolved
-    from pipeline.train.loop import RunDirError, prepare_run_dir
+    from pipeline.config import load_config, to_yaml, write_resolved
+    from pipeline.train.build import RunDirError, prepare_run_dir
 
     cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic", f"run.dir={tmp_path}"],
                       world_size=1)
-    assert prepare_run_dir(cfg, 0) is None  # empty: start
+    assert prepare_run_dir(cfg.run, to_yaml(cfg), 0) is None  # empty: start
     write_resolved(cfg, tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
-    assert prepare_run_dir(cfg, 0) is None  # this very run, died before its first checkpoint
+    assert prepare_run_dir(cfg.run, to_yaml(cfg), 0) is None  # this very run, died before its first checkpoint
     cfg.optim.lr = 0.5
     with pytest.raises(RunDirError, match="run.fresh=true"):
-        prepare_run_dir(cfg, 0)
+        prepare_run_dir(cfg.run, to_yaml(cfg), 0)
 
 
 def test_metrics_file_drops_records_past_the_resumed_step(tmp_path):

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from pipeline.data import read_info
-from pipeline.tracking.mlflow_sink import KIND, KIND_TAG
+from pipeline.tracking.mlflow_store import KIND, KIND_TAG
 from pipeline.weights import load_model
 
 pytestmark = pytest.mark.mlflow_server

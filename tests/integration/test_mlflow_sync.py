@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.tracking.mlflow_sink import KIND, KIND_TAG, SPOOL
 from pipeline.tracking.mlflow_sink import MlflowSink as Tracker
+from pipeline.tracking.mlflow_store import KIND, KIND_TAG, SPOOL
 
 pytestmark = pytest.mark.mlflow_server
 ROOT = Path(__file__).resolve().parents[2]

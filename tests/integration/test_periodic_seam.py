@@ -2,7 +2,7 @@
 
 ``Probe`` is a periodic task (due every 3 steps) that is also stateful (how often it ran); ``Tally``
 is a plain checkpointed part (the sum of the steps the probe saw). Both go in through the loop's
-public seam, ``train(tasks=..., states=...)``, with no edit to the loop. A real 2-rank pre-training
+public seam, ``build_run(tasks=..., states=...)``, with no edit to the loop or the builder. A real 2-rank pre-training
 (DeepSpeed ZeRO-2 over gloo, synthetic data) runs whole, and again killed before step 7 and resumed
 from the step-4 checkpoint: the probe ran at its steps, and its records after the resume equal the
 uninterrupted run's, which they can only if both states came back from the checkpoint.
@@ -62,12 +62,15 @@ class Probe:
 def main(run_dir: str) -> None:
     """One rank of the run (``python -m tests.integration.test_periodic_seam RUN_DIR``)."""
     from pipeline.config import load_config
+    from pipeline.distributed import setup
+    from pipeline.train.build import build_run
     from pipeline.train.loop import train
     from pipeline.weights import build_model
 
     cfg = load_config(ROOT / "configs/pretrain/tiny_cpu.yaml", [*OVERRIDES, f"run.dir={run_dir}"])
+    setup(cfg)
     tally = Tally()
-    train(cfg, lambda k: build_model(cfg, k), tasks=[lambda parts: Probe(tally)], states={"tally": tally})
+    train(build_run(cfg, lambda k: build_model(cfg, k), tasks=[lambda parts: Probe(tally)], states={"tally": tally}))
 
 
 def probe_records(run_dir: Path) -> list[dict]:

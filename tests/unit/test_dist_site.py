@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import pipeline.distributed as pd
+from pipeline import network
 from pipeline.distributed import DistEnv
 
 
@@ -92,17 +93,17 @@ def test_torchrun_agent_store_is_recognised():
 
 
 def test_gloo_interface_is_the_one_that_routes_to_the_master(monkeypatch):
-    addrs = pd._interface_addresses()
+    addrs = network.interface_addresses()
     assert "127.0.0.1" in addrs["lo"]
-    assert pd.route_interface("127.0.0.1") == "lo"
+    assert network.route_interface("127.0.0.1") == "lo"
     # this node's own non-loopback address: the NIC that holds it (what other nodes reach), not the
     # routing table's "local ... dev lo"
     for name, a in addrs.items():
         v4 = [x for x in a if "." in x and not x.startswith("127.")]
         if name != "lo" and v4:
-            assert pd.route_interface(v4[0]) == name
-    assert pd.route_interface("no-such-host.invalid") is None
+            assert network.route_interface(v4[0]) == name
+    assert network.route_interface("no-such-host.invalid") is None
     env = {}
-    assert pd.choose_gloo_interface("127.0.0.1", env) == "lo" and env == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert network.choose_gloo_interface("127.0.0.1", env) == "lo" and env == {"GLOO_SOCKET_IFNAME": "lo"}
     env = {"GLOO_SOCKET_IFNAME": "ib0"}  # the user's choice stands
-    assert pd.choose_gloo_interface("127.0.0.1", env) == "ib0" and env == {"GLOO_SOCKET_IFNAME": "ib0"}
+    assert network.choose_gloo_interface("127.0.0.1", env) == "ib0" and env == {"GLOO_SOCKET_IFNAME": "ib0"}

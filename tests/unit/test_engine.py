@@ -108,6 +108,7 @@ def _sgd_step(model, groups, x, y, lr):
 
     import torch.nn.functional as F
 
+    from pipeline.distributed import setup
     from pipeline.train import engine
 
     cfg = cfg_with("optim.name=sgd", "optim.momentum=0.9", "optim.weight_decay=0", "optim.clip_grad=0",
@@ -117,6 +118,7 @@ def _sgd_step(model, groups, x, y, lr):
     F.cross_entropy(ref(x), y).backward()
     grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    setup(cfg)
     eng = engine.build_engine(model, cfg, param_groups=groups)
     engine.set_lr(eng, lr)
     eng.backward(F.cross_entropy(eng(x), y))
@@ -236,7 +238,7 @@ def test_train_compile_compiles_each_block_and_keeps_the_numbers():
 _KNOBS = """
 import json, os, sys, torch, torch.nn.functional as F
 from pipeline.config import load_config
-from pipeline.distributed import free_port
+from pipeline.distributed import free_port, setup
 from pipeline.model import build_vit
 from pipeline.train import engine
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -244,6 +246,7 @@ stage = int(sys.argv[1])
 cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic", f"engine.zero_stage={stage}",
                   "engine.precision=bf16", "train.global_batch=8", "train.micro_batch=4"], world_size=1)
 torch.manual_seed(0)
+setup(cfg)
 eng = engine.build_engine(build_vit(width=16, depth=1, heads=2, mlp_dim=32, patch=4, img_size=8, num_classes=3), cfg)
 opt, out = eng.optimizer, {}
 overflow_checks = []

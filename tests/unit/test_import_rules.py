@@ -30,7 +30,7 @@ SKIP_DIRS = {".venv", ".venv-floor", ".git", "build", "dist", "runs", "__pycache
 # module -> predicate on the repo-relative posix path of the importing file
 OWNERS = {
     "deepspeed": lambda p: p == "pipeline/train/engine.py",
-    "mlflow": lambda p: p == "pipeline/tracking/mlflow_sink.py",
+    "mlflow": lambda p: p in ("pipeline/tracking/mlflow_sink.py", "pipeline/tracking/mlflow_store.py"),
     "submitit": lambda p: p.startswith("launch/"),
     "webdataset": lambda p: p.startswith(("pipeline/data/", "data_prep/")),
     # dataset addresses (local, s3://, gs://, http(s)://): one module opens them all
@@ -42,8 +42,8 @@ MODEL_LOADING_FILES = {"pipeline/model/convert.py", "pipeline/model/load.py"}
 STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate", "pipeline.preflight"}
 LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan",
            "pipeline.tracking")
-GROUND = ("pipeline.distributed", "pipeline.config", "pipeline.model", "pipeline.files", "pipeline.driver",
-          "pipeline.secrets", "pipeline.rundir")
+GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeline.model", "pipeline.files",
+          "pipeline.driver", "pipeline.secrets", "pipeline.rundir")
 # faults is a library module (its pause gate reads pipeline.train.stopping, lazily) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
 DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults"}

@@ -2,7 +2,6 @@
 what the blocks see, that evaluation sees every patch, the FLOPs counted, the config and the plan."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +17,7 @@ TINY = dict(width=32, depth=2, heads=4, mlp_dim=64, patch=4, img_size=16, num_cl
 
 
 def _cfg(drop=0.5, until=None, seed=0):
-    return SimpleNamespace(model=SimpleNamespace(patch_drop=drop), train=SimpleNamespace(patch_drop_until=until),
-                           seed=seed)
+    return dict(drop=drop, until=until, seed=seed)
 
 
 def _block_inputs(model, fn):
@@ -44,7 +42,7 @@ def test_kept_count_matches_timm_rounding(n, drop, kept):
 
 def test_kept_positions_per_image_seeded_and_distinct():
     model = build_vit(**TINY)
-    pd = PatchDrop(_cfg(0.5), model, rank=0, device=torch.device("cpu"))
+    pd = PatchDrop(model, **_cfg(0.5), rank=0, device=torch.device("cpu"))
     k = pd.keep(step=3, micro=0, batch=6)
     assert k.shape == (6, 8) and k.dtype == torch.int64
     for row in k:  # a subset of the 16 patches, no repeats, ascending
@@ -52,11 +50,11 @@ def test_kept_positions_per_image_seeded_and_distinct():
         assert torch.equal(row, row.sort().values)
     assert len({tuple(r.tolist()) for r in k}) == 6  # every image its own draw
     assert torch.equal(k, pd.keep(3, 0, 6))  # the same (seed, rank, step, micro): the same draw (resume)
-    again = PatchDrop(_cfg(0.5), build_vit(**TINY), rank=0, device=torch.device("cpu"))
+    again = PatchDrop(build_vit(**TINY), **_cfg(0.5), rank=0, device=torch.device("cpu"))
     assert torch.equal(k, again.keep(3, 0, 6))  # a fresh process draws it too: nothing to checkpoint
     for other in (pd.keep(4, 0, 6), pd.keep(3, 1, 6),
-                  PatchDrop(_cfg(0.5), model, rank=1, device=torch.device("cpu")).keep(3, 0, 6),
-                  PatchDrop(_cfg(0.5, seed=1), model, rank=0, device=torch.device("cpu")).keep(3, 0, 6)):
+                  PatchDrop(model, **_cfg(0.5), rank=1, device=torch.device("cpu")).keep(3, 0, 6),
+                  PatchDrop(model, **_cfg(0.5, seed=1), rank=0, device=torch.device("cpu")).keep(3, 0, 6)):
         assert not torch.equal(k, other)  # another step, micro batch, rank or seed: another draw
     # over many draws every patch is kept about half the time (uniform)
     freq = torch.bincount(torch.cat([pd.keep(s, 0, 8).flatten() for s in range(200)]), minlength=16) / 1600
@@ -64,7 +62,7 @@ def test_kept_positions_per_image_seeded_and_distinct():
 
 
 def test_draw_does_not_touch_the_global_rng():
-    pd = PatchDrop(_cfg(0.5), build_vit(**TINY), rank=0, device=torch.device("cpu"))
+    pd = PatchDrop(build_vit(**TINY), **_cfg(0.5), rank=0, device=torch.device("cpu"))
     torch.manual_seed(5)
     before = torch.get_rng_state()
     pd.keep(0, 0, 4)
@@ -72,10 +70,10 @@ def test_draw_does_not_touch_the_global_rng():
 
 
 def test_until_switches_to_every_patch():
-    pd = PatchDrop(_cfg(0.5, until=3), build_vit(**TINY), rank=0, device=torch.device("cpu"))
+    pd = PatchDrop(build_vit(**TINY), **_cfg(0.5, until=3), rank=0, device=torch.device("cpu"))
     assert [pd.active(s) for s in range(5)] == [True, True, True, False, False]  # steps 1-3 drop
     assert pd.keep(2, 0, 2) is not None and pd.keep(3, 0, 2) is None
-    off = PatchDrop(_cfg(0.0), object(), rank=0, device=torch.device("cpu"))  # off: any model, no grid read
+    off = PatchDrop(object(), **_cfg(0.0), rank=0, device=torch.device("cpu"))  # off: any model, no grid read
     assert off.keep(0, 0, 2) is None and not off.active(0)
     assert "8 of 16 patches until step 3" in pd.describe()
 

@@ -1,0 +1,234 @@
+"""A training run's parts, built once from its config: the one place that reads ``cfg``.
+
+    build_run(cfg, build_model)  -> Run
+        run dir        resume from its newest complete checkpoint, or start (refuses a foreign one);
+                       the resolved config is written there once (config.yaml)
+        data           the source, this rank's train stream, the mixer, the val loader
+        model/engine   identical initialisation on every rank; DeepSpeed (ZeRO, precision,
+                       accumulation); EMA; patch dropping; the learning-rate schedule
+        periodic work  training log, validation, the caller's tasks, checkpoint, few-shot evaluators,
+                       in the order the loop runs them (pipeline/train/periodic.py)
+        checkpoint     the manager with every named state; restored here when resuming
+        tracking       metrics.jsonl, MLflow, tracking.sinks (after the resume: the checkpoint says
+                       which MLflow run to continue)
+
+Each part is given its own section(s) once, here, and owns its settings and state from then on;
+the loop (pipeline/train/loop.py) is handed the :class:`Run` and never sees ``cfg``. The stage sets
+up the process group first (:func:`pipeline.distributed.setup`).
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline import data as data_lib
+from pipeline.config import Config, resolve
+from pipeline.data.loader import check_splits
+from pipeline.data.mixing import Mixer
+from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
+from pipeline.tracking import METRICS, JsonlSink, Sinks
+from pipeline.tracking.setup import Tracking
+from pipeline.train import checkpoint as ckpt_lib
+from pipeline.train import engine as eng_lib
+from pipeline.train.checkpoint import CheckpointManager, RngState, Stateful
+from pipeline.train.ema import Ema
+from pipeline.train.evaluators import FewshotEvaluators
+from pipeline.train.loss import loss_fn
+from pipeline.train.patchdrop import PatchDrop
+from pipeline.train.periodic import Periodic, TrainLog, Validation, Window
+from pipeline.train.schedule import Schedule
+
+
+class RunDirError(RuntimeError):
+    pass
+
+
+def prepare_run_dir(run, resolved_yaml: str, rank: int) -> Path | None:
+    """The checkpoint to resume from, if any; refuses to reuse a foreign non-empty run dir.
+    ``run``: the ``run`` section; ``resolved_yaml``: this config's config.yaml text.
+
+    Collective: rank 0 decides from its view of the shared file system and every rank follows it (another
+    rank's cached listing may be stale); only rank 0 deletes (run.fresh=true).
+    """
+    run_dir = Path(run.dir)
+    entries = [p.name for p in run_dir.iterdir() if not p.name.startswith(".owner")] if run_dir.is_dir() else []
+    if run.fresh:
+        wait_for_rank0()  # everyone has looked before rank 0 deletes
+        if rank == 0 and entries:
+            print(f"run.fresh=true: starting over in {run_dir} (deleting its checkpoints and metrics)", flush=True)
+            shutil.rmtree(ckpt_lib.root(run_dir), ignore_errors=True)
+            for name in ("metrics.jsonl", "model.safetensors", "loss_curve.png", "mlflow_spool.jsonl"):
+                (run_dir / name).unlink(missing_ok=True)
+        wait_for_rank0()
+        return None
+    latest = ckpt_lib.resume_choice(run_dir)
+    if latest is not None:
+        return latest
+    ours = run_dir / "config.yaml"
+    foreign = rank == 0 and entries and not (ours.is_file() and ours.read_text() == resolved_yaml)
+    if broadcast_from_rank0(bool(foreign)):
+        raise RunDirError(f"run.dir {run_dir} is not empty and holds no complete checkpoint of this config; "
+                          "pass run.fresh=true to start over there, or choose another run.dir")
+    return None  # empty, or an earlier attempt of this very run that died before its first checkpoint
+
+
+def step_flops(model, images_per_rank: int, patch_drop: float = 0.0) -> float:
+    """Model FLOPs of one optimizer step on one rank (forward + backward, no recomputation: MFU
+    counts the model's work, not what activation checkpointing repeats), on the tokens computed."""
+    try:
+        from pipeline.model.flops import train_step_flops
+
+        return float(train_step_flops(model.config, batch=images_per_rank, grad_checkpointing=False,
+                                      patch_drop=patch_drop))
+    except Exception:  # MFU is a nicety; a model the counter does not know just reports none
+        return float("nan")
+
+
+@dataclass
+class Parts:
+    """The run's parts a caller's periodic task may need (``build_run(tasks=[lambda parts: ...])``)."""
+
+    cfg: Config
+    engine: object
+    loader: object
+    source: data_lib.DataSource  # pipeline.data.source_for(cfg.data.path)
+    num_classes: int
+    device: torch.device
+    dtype: torch.dtype
+    rank: int
+    world: int
+
+
+@dataclass
+class Run:
+    """A built training run: everything the loop drives, each part holding its own settings and state.
+
+    ``step`` is where training (re)starts; ``periodic`` runs in order after each optimizer step, the
+    tasks after ``checkpoints`` only once that step is saved."""
+
+    run_dir: Path
+    stage: str
+    rank: int
+    world: int
+    steps: int  # train.steps: the run ends after this optimizer step
+    step: int
+    engine: object  # the DeepSpeed engine
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype  # the model's input dtype
+    accum: int  # micro batches per optimizer step on each rank
+    source: data_lib.DataSource
+    loader: data_lib.TrainBatches
+    mixer: Mixer
+    drops: PatchDrop
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
+    schedule: Schedule
+    ema: Ema | None
+    window: Window
+    train_log: TrainLog
+    validation: Validation
+    checkpoints: CheckpointManager
+    periodic: list[Periodic]
+    tracker: Sinks
+    history: list[dict]  # rank 0's metrics.jsonl records up to ``step`` (empty elsewhere)
+    close_timeout: float  # tracking.close_timeout_s
+
+
+def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
+              param_groups: Callable[[torch.nn.Module], list[dict]] | None = None, stage: str = "pretrain",
+              tasks: Sequence[Callable[[Parts], Periodic]] = (), states: Mapping[str, Stateful] | None = None
+              ) -> Run:
+    """Build (and, from run.dir's newest complete checkpoint, restore) the run ``cfg`` describes, for
+    the model ``build_model(num_classes)``. ``param_groups(model)``: optimizer groups (default: decay /
+    no decay); ``stage``: the MLflow tag. ``tasks``: factories of more periodic tasks (run after
+    validation, before the checkpoint; one with ``state_dict`` is checkpointed under its name);
+    ``states``: more named parts to checkpoint. Collective: every rank builds its run.
+    """
+    rank, world = rank_world()
+    run_dir = Path(cfg.run.dir)
+    resolved = resolve(cfg)  # config.yaml's text and the MLflow params, once
+    resume_from = prepare_run_dir(cfg.run, resolved.yaml, rank)
+    source = data_lib.source_for(cfg.data.path)
+    # a missing split fails now, in one line, not after the last step
+    check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split})
+    tracking = Tracking.from_config(cfg, run_dir, rank=rank)
+    tracking.check_access()  # a refused login fails now, in one line, not after training
+    info = source.read_info()
+
+    # model: identical initialisation on every rank, then per-rank randomness (dropout)
+    torch.manual_seed(cfg.seed)
+    num_classes = cfg.model.num_classes or info.num_classes
+    model = build_model(num_classes)
+    torch.manual_seed(cfg.seed * 1000 + rank)
+    universal = ckpt_lib.universal_for(resume_from, world) if resume_from else None
+    engine, dtype, accum = eng_lib.for_training(model, cfg, param_groups(model) if param_groups else None,
+                                                load_universal=universal is not None)
+    device = engine.device
+    t = cfg.train
+    loader = source.train_loader(cfg.data, img_size=cfg.model.img_size, micro_batch=t.micro_batch,
+                                 global_batch=t.global_batch, rank=rank, world_size=world, seed=cfg.seed,
+                                 pin_memory=device.type == "cuda")
+    val_loader = (source.eval_loader(cfg.data, img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=rank,
+                                     world_size=world, split=cfg.data.val_split) if cfg.data.val_split else None)
+    mixer = Mixer.from_config(cfg.data, info, seed=cfg.seed, rank=rank)
+    ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
+    drops = PatchDrop(model, drop=cfg.model.patch_drop, until=t.patch_drop_until, seed=cfg.seed, rank=rank,
+                      device=device)
+    schedule = Schedule(cfg.schedule, lr=cfg.optim.lr, total_steps=t.steps)
+    flops = {on: step_flops(model, t.micro_batch * accum, cfg.model.patch_drop if on else 0.0)
+             for on in (False, True)}  # by whether the step drops patches
+
+    # the periodic work, in order (pipeline/train/periodic.py), and the parts a checkpoint holds
+    window = Window(device)
+    hit_key = "prec1" if info.multi_label else "top1"  # big_vision's prec@1
+    train_log = TrainLog(schedule, window, engine, loader, drops, flops, hit_key, every=t.log_every,
+                         last_step=t.steps, global_batch=t.global_batch, peak_flops=cfg.hardware.peak_tflops * 1e12)
+    validation = Validation(val_loader, every=t.eval_every, engine=engine, source=source, num_classes=num_classes,
+                            device=device, dtype=dtype, img_size=cfg.model.img_size,
+                            loss=functools.partial(loss_fn, t.loss, reduction="none"))
+    fewshot = FewshotEvaluators(cfg.eval, engine, device, dtype, every=t.fewshot_every, last_step=t.steps,
+                                img_size=cfg.model.img_size, crop_pct=cfg.data.eval_crop_pct)
+    added = [make(Parts(cfg, engine, loader, source, num_classes, device, dtype, rank, world)) for make in tasks]
+    named = {"rng": RngState(), "loader": loader, "window": window, **({"ema": ema} if ema is not None else {}),
+             **{task.name: task for task in (*added, fewshot) if hasattr(task, "state_dict")}, **(states or {})}
+    checkpoints = CheckpointManager(run_dir, engine, named, every=cfg.checkpoint.every, last_step=t.steps,
+                                    keep=cfg.checkpoint.keep)
+
+    resumed = checkpoints.restore(resume_from, universal) if resume_from is not None else None
+    step, manifest = (resumed.step, resumed.manifest) if resumed else (0, {})
+    if resumed:
+        rank0_print(f"resuming from {resume_from} (step {step}, saved by {manifest['world_size']} ranks)")
+    if rank == 0:
+        resolved.write(run_dir)
+    # rank 0's records: metrics.jsonl (past the resumed step dropped: they run again), MLflow, tracking.sinks
+    metrics_file = JsonlSink(run_dir / METRICS, keep_up_to=step) if rank == 0 else None
+    history = metrics_file.records if metrics_file else []
+    fewshot.skip_logged(history)
+    datasets = {cfg.data.train_split: "training", cfg.data.val_split: "evaluation"}
+    tracker = Sinks(metrics_file, tracking.mlflow(
+        world_size=world, stage=stage, run_id=manifest.get("mlflow_run_id"), run_key=manifest.get("mlflow_run_key"),
+        params=resolved.params,  # logged only if a new run is made
+        datasets=data_lib.dataset_inputs(cfg.data.path, datasets) if rank == 0 else None), *tracking.extra_sinks())
+    checkpoints.manifest = lambda: {
+        "config": resolved.params, "model_config": model.config, "zero_stage": cfg.engine.zero_stage,
+        "precision": cfg.engine.precision, "mlflow_run_id": tracker.run_id, "mlflow_run_key": tracker.run_key,
+        "mlflow_uri": tracker.uri}
+
+    run = Run(run_dir=run_dir, stage=stage, rank=rank, world=world, steps=t.steps, step=step, engine=engine,
+              model=model, device=device, dtype=dtype, accum=accum, source=source, loader=loader, mixer=mixer,
+              drops=drops, loss=functools.partial(loss_fn, t.loss, label_smoothing=cfg.data.label_smoothing),
+              schedule=schedule, ema=ema, window=window, train_log=train_log, validation=validation,
+              checkpoints=checkpoints, periodic=[train_log, validation, *added, checkpoints, fewshot],
+              tracker=tracker, history=history, close_timeout=cfg.tracking.close_timeout_s)
+    n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
+    rank0_print(f"{stage}: {world} rank(s) on {device.type}, ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
+                f"global batch {t.global_batch} = {t.micro_batch} x {accum} accum x {world}, steps {step}->{t.steps}"
+                + (f", {n_params / 1e6:.2f}M params" if n_params else "")
+                + (f", {drops.describe()}" if drops.drop else ""))
+    return run

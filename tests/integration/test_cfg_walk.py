@@ -1,0 +1,45 @@
+"""A run's ``cfg`` is read where the run is built, not by the loop (tests/cfg_walk.py measures it).
+
+A real 1-rank pre-training (DeepSpeed ZeRO-1 on CPU, synthetic data, validation, two checkpoints,
+MLflow to SQLite) runs under the tracer: the training loop is never handed the config or a section,
+every part is visited once from the builder, and the walk stays within the issue's bound on returns.
+"""
+
+import pytest
+
+from pipeline.distributed import leave_process_group
+from tests import cfg_walk
+
+
+@pytest.fixture
+def walk(tmp_path):
+    moves: list = []
+    try:
+        rooms = cfg_walk.trace(lambda: cfg_walk.tiny_pretrain(str(tmp_path / "run")), moves)
+    finally:
+        leave_process_group()
+    return rooms, moves
+
+
+def test_the_loop_never_sees_cfg_and_each_part_is_built_once(walk):
+    rooms, moves = walk
+    assert rooms[:4] == ["pipeline.pretrain", "pipeline.distributed", "pipeline.pretrain", "pipeline.train.build"]
+    assert rooms[-1] == "pipeline.pretrain"
+    assert not {"pipeline.train.loop", "pipeline.train.periodic", "pipeline.train.checkpoint"} & set(rooms)
+    # each part's room is entered once from the builder (the data source twice: train and val loaders)
+    parts = ["pipeline.config.loading", "pipeline.tracking.setup", "pipeline.weights", "pipeline.train.engine",
+             "pipeline.data.mixing", "pipeline.train.schedule", "pipeline.train.evaluators"]
+    assert all(rooms.count(p) == 1 for p in parts), {p: rooms.count(p) for p in parts}
+    assert rooms.count("pipeline.data.source") == 4  # source -> synthetic loader -> source, per loader
+    s = cfg_walk.score(rooms, moves)
+    assert s["returns"] <= 15 and s["climbs"] <= 10, s
+
+
+def test_a_climb_is_a_return_into_an_importer():
+    rooms = ["pipeline.train.build", "pipeline.data.source", "pipeline.data.synthetic", "pipeline.data.source",
+             "pipeline.train.build"]
+    # build -> source (a call down), source -> synthetic (a call into an importer: dispatch, not a climb),
+    # synthetic -> source (a return down), source -> build (a return into an importer: the one climb)
+    moves = [None, None, None, ("TrainLoader.__init__", "TrainLoader"), ("ClassLoaders.train_loader", "TrainLoader")]
+    assert cfg_walk.score(rooms, moves) == {"rooms": 3, "stays": 5, "climbs": 1, "returns": 2}
+    assert cfg_walk.score(rooms)["climbs"] == 2  # without moves, every move into an importer counts

@@ -5,8 +5,12 @@ An S3-compatible server (moto's, on 127.0.0.1) holds the same shards as a local 
 
   vitp_local   TrainLoader over the local folder
   vitp_s3      the same TrainLoader over ``s3://bench/ds`` (retried, read-ahead ranged reads)
-  wds_pipe     webdataset's pipeline over ``pipe:curl -s URL`` of the same objects (presigned URLs),
-               with vitp's transform, the same shuffle buffer, batching in the workers, workers, consumer
+  wds_pipe     webdataset's own pipeline over ``pipe:curl -s URL`` of the same objects (presigned URLs),
+               as its README writes one: shuffle, ``decode("pil")``, ``to_tuple``, a torchvision transform
+               (RandomResizedCrop, flip, PILToTensor: bench/loader.py's ImageFolder arm), ``batched``;
+               the same shuffle buffer, workers and consumer, uint8 batches of the same shape
+  wds_pipe_io  the same ``pipe:curl`` reading with vitp's own decode+augment and batching: the I/O paths
+               alone (``ratio loader_s3_vs_wds_pipe_io``)
 
 Each rep runs the three once, in alternating order; a ratio is the median of the per-rep ratios.
 Resume: one shard of ``--resume-mib`` MiB (small JPEGs padded with incompressible bytes) served by nginx
@@ -15,7 +19,7 @@ the square of the shard's size); the time from a fresh loader with a state in th
 to its first batch, when it seeks (shuffle replayed on positions, ranged read from the recorded offset)
 against when it re-reads the prefix (the path for datasets without offsets), interleaved, medians.
 
-Prints ``ratio loader_s3_vs_local``, ``ratio loader_s3_vs_wds_pipe`` and ``ratio resume_seek_vs_scan``.
+Prints ``ratio loader_s3_vs_local``, ``ratio loader_s3_vs_wds_pipe`` (and ``_io``) and ``ratio resume_seek_vs_scan``.
 
 Example:  python bench/loader_remote.py --quick
 """
@@ -68,8 +72,8 @@ def write_shards(root: Path, samples: list[list[tuple[str, bytes]]], shards: int
 
 
 class WdsPipe(torch.utils.data.IterableDataset):
-    """webdataset's own pipeline over ``pipe:`` URLs, one share of the shards per worker, then the same
-    per-sample transform and batching as vitp's workers do."""
+    """webdataset's reading over ``pipe:`` URLs, one share of the shards per worker, then the same
+    per-sample transform and batching as vitp's workers do (the I/O paths alone)."""
 
     def __init__(self, urls: list[str], batch: int, shuffle: int):
         self.urls, self.batch, self.shuffle = urls, batch, shuffle
@@ -89,6 +93,17 @@ class WdsPipe(torch.utils.data.IterableDataset):
             if len(buf) == self.batch:
                 yield stack([x for x, _ in buf]), np.array([y for _, y in buf])
                 buf = []
+
+
+def wds_own_pipeline(urls: list[str], batch: int, shuffle: int, workers: int):
+    """webdataset's own pipeline as its README writes one, with torchvision's transform."""
+    import torchvision.transforms as T
+    import webdataset as wds
+
+    tf = T.Compose([T.RandomResizedCrop(SIZE, scale=SCALE), T.RandomHorizontalFlip(), T.PILToTensor()])
+    ds = (wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=wds.split_by_worker)
+          .shuffle(shuffle).decode("pil").to_tuple("jpg", "cls").map_tuple(tf, int).batched(batch, partial=False))
+    return wds.WebLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_one_thread)
 
 
 def _one_thread(_):
@@ -167,13 +182,16 @@ def main(argv=None) -> None:
                 return TrainLoader(cfg, img_size=SIZE, micro_batch=a.batch, global_batch=a.batch, rank=0,
                                    world_size=1, seed=0)
 
-            def wds_pipe():
-                ds = WdsPipe([f"pipe:curl -s '{u}'" for u in urls], a.batch, 256)
+            pipe_urls = [f"pipe:curl -s '{u}'" for u in urls]
+
+            def wds_pipe_io():
+                ds = WdsPipe(pipe_urls, a.batch, 256)
                 return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=a.workers,
                                                    worker_init_fn=_one_thread, collate_fn=collate_as_is)
 
             pipes = {"vitp_local": lambda: vitp(str(local)), "vitp_s3": lambda: vitp("s3://bench/ds"),
-                     "wds_pipe": wds_pipe}
+                     "wds_pipe": lambda: wds_own_pipeline(pipe_urls, a.batch, 256, a.workers),
+                     "wds_pipe_io": wds_pipe_io}
             runs: dict[str, list[float]] = {k: [] for k in pipes}
             for rep in range(a.reps if a.part != "resume" else 0):
                 for name in (list(pipes) if rep % 2 == 0 else list(pipes)[::-1]):
@@ -216,7 +234,8 @@ def main(argv=None) -> None:
 
 def _report(runs: dict, seek: list, scan: list) -> None:
     for label, num, den in (("loader_s3_vs_local", "vitp_s3", "vitp_local"),
-                            ("loader_s3_vs_wds_pipe", "vitp_s3", "wds_pipe")):
+                            ("loader_s3_vs_wds_pipe", "vitp_s3", "wds_pipe"),
+                            ("loader_s3_vs_wds_pipe_io", "vitp_s3", "wds_pipe_io")):
         per_rep = [x / y for x, y in zip(runs[num], runs[den])]
         if per_rep:
             print(f"reps {label} " + " ".join(f"{r:.3f}" for r in per_rep))

@@ -129,17 +129,42 @@ def start_mlflow(d: Path) -> tuple[subprocess.Popen, str]:
     return proc, uri
 
 
-NGINX_CONF = """
+NGINX_HEAD = """
 {user}
 daemon off;
 worker_processes 1;
 pid {d}/nginx.pid;
 error_log {d}/error.log;
-events {{ worker_connections 64; }}
+events {{ worker_connections 256; }}
 http {{
     access_log off;
     client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fastcgi;
     uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
+"""
+
+
+def run_nginx(d: Path, http_block: str, health: str, **kw) -> subprocess.Popen:
+    """Debian's nginx in its own session, its pid, logs and temp files under ``d``, serving
+    ``http_block`` (the inside of ``http { }``); returned once ``health`` answers 200."""
+    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if nginx is None:
+        unavailable("nginx is not installed (launch/services/install-debian.sh installs nginx-light)")
+    d.mkdir(parents=True, exist_ok=True)
+    conf = d / "nginx.conf"
+    conf.write_text(NGINX_HEAD.format(user="user root;" if os.geteuid() == 0 else "", d=d) + http_block + "}\n")
+    log = d / "error.log"
+    log.touch()
+    proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(d), "-e", str(log)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ok(health, proc, "nginx", log, **kw)
+    except Exception:
+        stop_process(proc)
+        raise
+    return proc
+
+
+NGINX_PROXY = """
     client_max_body_size 0;
     server {{
         listen 127.0.0.1:{port} ssl;
@@ -155,31 +180,17 @@ http {{
             proxy_set_header Host $host;
         }}
     }}
-}}
 """
 
 
 def start_nginx(d: Path, upstream: str, token: str) -> tuple[subprocess.Popen, str, Path]:
-    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if nginx is None:
-        unavailable("nginx is not installed (launch/services/install-debian.sh installs nginx-light)")
-    ca, cert, key = make_ca(d / "tls")
-    port = free_port()
-    conf = d / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(user="user root;" if os.geteuid() == 0 else "", d=d, port=port, cert=cert,
-                                      key=key, upstream=upstream, token=token))
-    log = d / "error.log"
-    log.touch()
-    proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(d), "-e", str(log)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)
     import ssl
 
+    ca, cert, key = make_ca(d / "tls")
+    port = free_port()
     uri = f"https://127.0.0.1:{port}"
-    try:
-        wait_ok(f"{uri}/health", proc, "nginx", log, context=ssl.create_default_context(cafile=str(ca)))
-    except Exception:
-        stop_process(proc)
-        raise
+    proc = run_nginx(d, NGINX_PROXY.format(port=port, cert=cert, key=key, upstream=upstream, token=token),
+                     f"{uri}/health", context=ssl.create_default_context(cafile=str(ca)))
     return proc, uri, ca
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.auth_services import free_port, stop_process, wait_ok
+from tests.auth_services import free_port, run_nginx, stop_process, wait_ok
 from tests.services import unavailable
 
 _buckets = itertools.count()
@@ -66,16 +65,6 @@ def start_s3(d: Path) -> S3Server:
 
 
 NGINX_STATIC = """
-{user}
-daemon off;
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;
     default_type application/octet-stream;
     sendfile on;
     server {{
@@ -84,28 +73,11 @@ http {{
         location = /health {{ return 200; }}
         location /forbidden/ {{ return 403; }}
     }}
-}}
 """
 
 
 def start_http(d: Path, root: Path) -> tuple[subprocess.Popen, str]:
     """nginx serving ``root`` read-only at the returned base URL (``/forbidden/...`` answers 403)."""
-    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if nginx is None:
-        unavailable("nginx is not installed (launch/services/install-debian.sh installs nginx-light)")
-    d.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    conf = d / "nginx.conf"
-    conf.write_text(NGINX_STATIC.format(user="user root;" if os.geteuid() == 0 else "", d=d, port=port,
-                                        root=Path(root).resolve()))
-    log = d / "error.log"
-    log.touch()
-    proc = subprocess.Popen([nginx, "-c", str(conf), "-p", str(d), "-e", str(log)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    try:
-        wait_ok(f"{base}/health", proc, "nginx", log)
-    except Exception:
-        stop_process(proc)
-        raise
-    return proc, base
+    return run_nginx(d, NGINX_STATIC.format(port=port, root=Path(root).resolve()), f"{base}/health"), base

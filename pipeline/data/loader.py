@@ -100,6 +100,7 @@ def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None
         where = f"data.path {path}"
         has = {k: sp.num_samples for k, sp in synthetic_info(str(path)).splits.items()}
     else:
+        info_file(path)  # a missing description is one line worded as every reader words it
         try:
             has = {k: len(sp.filenames) for k, sp in read_description(path).splits.items()}
         except DataError as e:

@@ -17,7 +17,7 @@ A call site is walked the first time it runs (the next step's calls are the same
 A part that owns its config (given once, when it is built) and its state keeps the walk short; a
 loop that passes ``cfg`` to part after part and hands each part's state back by hand makes it long.
 
-    python -m tests.cfg_walk [--trace]     prints `cfg walk: R rooms, S stays, C climbs, T returns`
+    python -m tests.cfg_walk [--trace] [--json FILE]     prints `cfg walk: R rooms, S stays, C climbs, T returns`
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import json
 import os
 import sys
 import tempfile
@@ -176,10 +177,13 @@ def tiny_pretrain(run_dir: str):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.cfg_walk", description=__doc__.split("\n")[0])
     p.add_argument("--trace", action="store_true", help="print the rooms in order")
+    p.add_argument("--json", metavar="FILE", help="also write the rooms and moves to FILE")
     args = p.parse_args(argv)
     moves: list = []
     with tempfile.TemporaryDirectory() as d:
         rooms = trace(lambda: tiny_pretrain(str(Path(d) / "run")), moves)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rooms": rooms, "moves": moves}))
     if args.trace:
         print(" -> ".join(r.removeprefix("pipeline.") for r in rooms))
         ups = above(import_graph())

@@ -121,6 +121,10 @@ class TrainLoader:
         """Always empty: generated samples are never bad."""
         return {}
 
+    def read_stats(self) -> dict:
+        """Nothing is read: generated samples."""
+        return {}
+
     def state_dict(self) -> dict:
         """Position in optimizer steps (world-size independent); call at a step boundary."""
         return {"steps": self._micro_done // self.accum}

@@ -110,7 +110,7 @@ class TrainLog:
                   "images_per_s": self.global_batch / dt, "step_s": dt,
                   "mfu": window_flops / max(n, 1) / dt / self.peak_flops,
                   "skipped": int(sum(self.loader.skipped.values())), **memory_gb(),
-                  **(self.loader.read_stats() if hasattr(self.loader, "read_stats") else {})}
+                  **self.loader.read_stats()}
         if drops.drop:  # the fraction this window's last step dropped (0 after train.patch_drop_until)
             record["patch_drop"] = drops.drop if drops.active(step - 1) else 0.0
         rank0_print(f"step {step:>7d}/{self.steps}  loss {loss:.4f}  {headline(record)}  lr {lr:.2e}  "

@@ -3,7 +3,8 @@
 Not part of any loader: the training step calls it on every micro-batch, whatever the source, with
 the loader's :attr:`~pipeline.data.source.TrainBatches.position` as the seed::
 
-    mixer = Mixer.from_config(cfg.data, info, seed=cfg.seed, rank=rank)
+    mixer = Mixer(info.num_classes, d.mixup, d.cutmix, d.label_smoothing, multi_label=info.multi_label,
+                  seed=cfg.seed, rank=rank)                   # d = cfg.data, info = the dataset's
     for images, labels in loader.forever():
         x = normalize(images.to(dev))                          # [B, 3, S, S] float
         x, targets = mixer(x, labels.to(dev), loader.position)  # [B, K] float, or labels as they are
@@ -45,12 +46,6 @@ class Mixer:
 
             self._mix = Mixup(mixup_alpha=mixup, cutmix_alpha=cutmix, label_smoothing=label_smoothing,
                               num_classes=self.num_classes, multi_label=self.multi_label)
-
-    @classmethod
-    def from_config(cls, cfg_data, info, *, seed: int, rank: int) -> Mixer:
-        """``data.mixup``, ``data.cutmix``, ``data.label_smoothing`` over the dataset ``info``'s classes."""
-        return cls(info.num_classes, cfg_data.mixup, cfg_data.cutmix, cfg_data.label_smoothing,
-                   multi_label=info.multi_label, seed=seed, rank=rank)
 
     @property
     def active(self) -> bool:

@@ -3,7 +3,7 @@
     build_run(cfg, build_model)  -> Run
         run dir        resume from its newest complete checkpoint, or start (refuses a foreign one);
                        the resolved config is written there once (config.yaml)
-        data           the source, this rank's train stream, the mixer, the val loader
+        data           the source, this rank's train stream and val loader (one call), the mixer
         model/engine   identical initialisation on every rank; DeepSpeed (ZeRO, precision,
                        accumulation); EMA; patch dropping; the learning-rate schedule
         periodic work  training log, validation, the caller's tasks, checkpoint, few-shot evaluators,
@@ -12,7 +12,9 @@
         tracking       metrics.jsonl, MLflow, tracking.sinks (after the resume: the checkpoint says
                        which MLflow run to continue)
 
-Each part is given its own section(s) once, here, and owns its settings and state from then on;
+Each part is given, once, here, its section (a part whose settings are a whole section: tracking, the
+engine, the data source) or its values (the rest: mixer, schedule, patch dropping, EMA, the periodic
+tasks, the few-shot evaluators), and owns its settings and state from then on;
 the loop (pipeline/train/loop.py) is handed the :class:`Run` and never sees ``cfg``. The stage sets
 up the process group first (:func:`pipeline.distributed.setup`).
 """
@@ -171,16 +173,18 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
                                                 load_universal=universal is not None)
     device = engine.device
     t = cfg.train
-    loader = source.train_loader(cfg.data, img_size=cfg.model.img_size, micro_batch=t.micro_batch,
-                                 global_batch=t.global_batch, rank=rank, world_size=world, seed=cfg.seed,
-                                 pin_memory=device.type == "cuda")
-    val_loader = (source.eval_loader(cfg.data, img_size=cfg.model.img_size, batch=cfg.eval.batch, rank=rank,
-                                     world_size=world, split=cfg.data.val_split) if cfg.data.val_split else None)
-    mixer = Mixer.from_config(cfg.data, info, seed=cfg.seed, rank=rank)
+    d = cfg.data
+    loader, val_loader = source.training_loaders(d, img_size=cfg.model.img_size, micro_batch=t.micro_batch,
+                                                 global_batch=t.global_batch, eval_batch=cfg.eval.batch, rank=rank,
+                                                 world_size=world, seed=cfg.seed, pin_memory=device.type == "cuda")
+    mixer = Mixer(info.num_classes, d.mixup, d.cutmix, d.label_smoothing, multi_label=info.multi_label,
+                  seed=cfg.seed, rank=rank)
     ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
     drops = PatchDrop(model, drop=cfg.model.patch_drop, until=t.patch_drop_until, seed=cfg.seed, rank=rank,
                       device=device)
-    schedule = Schedule(cfg.schedule, lr=cfg.optim.lr, total_steps=t.steps)
+    s = cfg.schedule
+    schedule = Schedule(lr=cfg.optim.lr, total_steps=t.steps, warmup_steps=s.warmup_steps, decay=s.decay,
+                        end_lr=s.end_lr)
     flops = {on: step_flops(model, t.micro_batch * accum, cfg.model.patch_drop if on else 0.0)
              for on in (False, True)}  # by whether the step drops patches
 
@@ -192,8 +196,10 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     validation = Validation(val_loader, every=t.eval_every, engine=engine, source=source, num_classes=num_classes,
                             device=device, dtype=dtype, img_size=cfg.model.img_size,
                             loss=functools.partial(loss_fn, t.loss, reduction="none"))
-    fewshot = FewshotEvaluators(cfg.eval, engine, device, dtype, every=t.fewshot_every, last_step=t.steps,
-                                img_size=cfg.model.img_size, crop_pct=cfg.data.eval_crop_pct)
+    e = cfg.eval
+    fewshot = FewshotEvaluators(engine, device, dtype, data=e.fewshot_data, shots=e.fewshot_shots, l2=e.fewshot_l2,
+                                batch=e.batch, every=t.fewshot_every, last_step=t.steps,
+                                img_size=cfg.model.img_size, crop_pct=d.eval_crop_pct)
     added = [make(Parts(cfg, engine, loader, source, num_classes, device, dtype, rank, world)) for make in tasks]
     named = {"rng": RngState(), "loader": loader, "window": window, **({"ema": ema} if ema is not None else {}),
              **{task.name: task for task in (*added, fewshot) if hasattr(task, "state_dict")}, **(states or {})}

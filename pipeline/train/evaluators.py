@@ -85,7 +85,8 @@ def nested_shots(labels: np.ndarray, shots: list[int], num_classes: int, seed: i
 class _Set:
     """One few-shot dataset: its subset, its test split, and (maybe) their decoded batches."""
 
-    def __init__(self, name: str, path: str, section, *, img_size: int, crop_pct: float, rank: int, world: int):
+    def __init__(self, name: str, path: str, *, shots: list[int], batch: int, img_size: int, crop_pct: float,
+                 rank: int, world: int):
         self.name = name
         self.data = DataCfg(path=path, workers=0, eval_crop_pct=crop_pct, val_split="test")
         try:
@@ -97,11 +98,11 @@ class _Set:
         if self.info.multi_label:
             raise DataError(f"eval.fewshot_data: {path} is multi-label; few-shot needs single-label data")
         labels = train_labels(self.info, "train", rank, world)
-        self.shots, skipped = nested_shots(labels, list(section.fewshot_shots), self.info.num_classes)
+        self.shots, skipped = nested_shots(labels, list(shots), self.info.num_classes)
         for k, why in skipped.items():
             rank0_print(f"few-shot {self.name}: {k}-shot skipped ({why})")
         self.subset = self.shots[max(self.shots)] if self.shots else np.zeros(0, dtype=np.int64)
-        kw = dict(img_size=img_size, batch=section.batch, rank=rank, world_size=world, num_workers=0)
+        kw = dict(img_size=img_size, batch=batch, rank=rank, world_size=world, num_workers=0)
         self.loaders = {"train": shard_loader.EvalLoader(self.data, split="train", positions=self.subset.tolist(),
                                                          **kw),
                         "test": shard_loader.EvalLoader(self.data, split="test", **kw)}
@@ -132,20 +133,22 @@ class FewshotEvaluators:
     ``train.fewshot_every`` steps and at ``last_step``, after that step's checkpoint) and one checkpointed
     state (its progress: the newest evaluated step, equal on every rank).
 
-    Built once from the ``eval`` section (``fewshot_data``, ``fewshot_shots``, ``fewshot_l2``,
-    ``batch``), the training resolution and ``data.eval_crop_pct``."""
+    Built once from values of four sections (the builder reads them): ``data`` (eval.fewshot_data's
+    ``[name=path, ...]``), ``shots``, ``l2``, ``batch`` (eval.fewshot_shots, eval.fewshot_l2, eval.batch),
+    ``every``/``last_step`` (train.fewshot_every, train.steps), ``img_size`` (model.img_size) and
+    ``crop_pct`` (data.eval_crop_pct)."""
 
     name = "fewshot"
     checkpoint_scope = "shared"
 
-    def __init__(self, section, engine, device, dtype, *, every: int, last_step: int, img_size: int,
-                 crop_pct: float):
-        self.engine, self.device, self.dtype, self.l2 = engine, device, dtype, section.fewshot_l2
+    def __init__(self, engine, device, dtype, *, data: list[str], shots: list[int], l2: float, batch: int, every: int,
+                 last_step: int, img_size: int, crop_pct: float):
+        self.engine, self.device, self.dtype, self.l2 = engine, device, dtype, l2
         self.rank, self.world = rank_world()
         t0 = time.perf_counter()
         self.every, self.last_step = every, last_step
-        self.sets = [_Set(n, p, section, img_size=img_size, crop_pct=crop_pct, rank=self.rank, world=self.world)
-                     for n, p in fewshot_sets(section.fewshot_data)]
+        self.sets = [_Set(n, p, shots=shots, batch=batch, img_size=img_size, crop_pct=crop_pct, rank=self.rank,
+                          world=self.world) for n, p in fewshot_sets(data)]
         budget = sum(s.rank_bytes(img_size) for s in self.sets)
         self.cache = budget <= CACHE_BYTES
         self.done = 0  # the newest evaluated step

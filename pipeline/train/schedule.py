@@ -26,12 +26,14 @@ def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int = 0, deca
 
 
 class Schedule:
-    """The run's learning rate by optimizer step, built once from the ``schedule`` section, the peak
-    ``lr`` (optim.lr) and the run's length; ``schedule(step)`` -> lr (its whole state is the step)."""
+    """The run's learning rate by optimizer step: ``schedule(step)`` -> lr (its whole state is the step).
+    Its settings span three sections (the builder reads them: ``optim.lr``, ``train.steps`` and the
+    ``schedule`` section), so it takes them as the values :func:`lr_at` names."""
 
-    def __init__(self, section, *, lr: float, total_steps: int):
+    def __init__(self, *, lr: float, total_steps: int, warmup_steps: int = 0, decay: str = "cosine",
+                 end_lr: float = 0.0):
         self.lr, self.total_steps = lr, total_steps
-        self.warmup_steps, self.decay, self.end_lr = section.warmup_steps, section.decay, section.end_lr
+        self.warmup_steps, self.decay, self.end_lr = warmup_steps, decay, end_lr
 
     def __call__(self, step: int) -> float:
         return lr_at(step, lr=self.lr, total_steps=self.total_steps, warmup_steps=self.warmup_steps,

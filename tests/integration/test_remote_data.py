@@ -290,7 +290,9 @@ def test_fewshot_evaluators_over_http_match_the_folder(prepped, weights, http_fo
         cfg = load_config(TINY, ["data.path=synthetic:train=8", f"eval.fewshot_data=[few={path}]",
                                  "eval.fewshot_shots=[1,2]", "eval.fewshot_seeds=2", "model.width=32", "model.depth=2",
                                  "model.heads=2", "model.mlp_dim=64", "model.patch=8"], world_size=1)
-        ev = FewshotEvaluators(cfg.eval, net, torch.device("cpu"), torch.float32, every=cfg.train.fewshot_every,
-                               last_step=1, img_size=cfg.model.img_size, crop_pct=cfg.data.eval_crop_pct)
+        e = cfg.eval
+        ev = FewshotEvaluators(net, torch.device("cpu"), torch.float32, data=e.fewshot_data, shots=e.fewshot_shots,
+                               l2=e.fewshot_l2, batch=e.batch, every=cfg.train.fewshot_every, last_step=1,
+                               img_size=cfg.model.img_size, crop_pct=cfg.data.eval_crop_pct)
         got[name] = {k: v for k, v in ev.run(1).items() if not k.endswith("seconds")}
     assert got["http"] == got["folder"] and len(got["http"]) >= 2

@@ -246,11 +246,11 @@ def test_normalize_and_mix(data):
         normalize(r, out=torch.empty(2, 3, 5, 6))
     ld = loader(replace(cfg, label_smoothing=0.1))
     _, y, _ = next(iter(ld))
-    xx, t = Mixer.from_config(ld.cfg, ld.info, seed=3, rank=0)(torch.zeros(4, 3, 16, 16), y, ld.position)
+    xx, t = Mixer(3, label_smoothing=0.1, seed=3, rank=0)(torch.zeros(4, 3, 16, 16), y, ld.position)
     assert t.shape == (4, 3) and torch.allclose(t.sum(1), torch.ones(4))
     assert torch.allclose(t.max(1).values, torch.full((4,), 0.9 + 0.1 / 3))
     ld = loader(replace(cfg, mixup=0.8, cutmix=1.0))
-    mix = Mixer.from_config(ld.cfg, ld.info, seed=3, rank=0)
+    mix = Mixer(3, mixup=0.8, cutmix=1.0, seed=3, rank=0)
     xs, y, _ = next(iter(ld))
     f = normalize(xs)
     m1, m2 = mix(f.clone(), y, ld.position), mix(f.clone(), y, ld.position)  # same batch position → same mix

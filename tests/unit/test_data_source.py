@@ -49,6 +49,17 @@ def test_both_sources_give_the_declared_interface(kind, shards):
     assert n.flatten().tolist() == [-1.0] * 3 + [1.0] * 3
 
 
+def test_training_loaders_give_the_train_stream_and_the_val_split(shards):
+    src = source_for(shards)
+    train, val = src.training_loaders(DataCfg(path=shards, workers=0, shuffle_buffer=4), eval_batch=2, **KW)
+    assert isinstance(train, TrainBatches) and train.steps_per_epoch == 3  # 12 samples / 4 a step
+    # val: each of the 3 samples once over the 2 ranks, rank 1's share ([1, 3)) in one batch of 2
+    (x, y, valid), = list(val)
+    assert x.shape == (2, 3, 16, 16) and int(valid.sum()) == 2
+    train, val = src.training_loaders(DataCfg(path=shards, workers=0, val_split=""), eval_batch=2, **KW)
+    assert val is None and isinstance(train, TrainBatches)
+
+
 def test_position_resumes_with_the_loader(shards):
     cfg = DataCfg(path=shards, workers=0, shuffle_buffer=4)
     a = TrainLoader(cfg, **KW)

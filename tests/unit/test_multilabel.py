@@ -127,7 +127,7 @@ def test_mixed_multi_hot_targets_and_exact_resume(stripes):
         return TrainLoader(cfg, img_size=16, micro_batch=4, global_batch=8, rank=1, world_size=2, seed=3)
 
     a = loader()
-    mix = Mixer.from_config(cfg, a.info, seed=3, rank=1)
+    mix = Mixer(a.info.num_classes, cfg.mixup, cfg.cutmix, cfg.label_smoothing, multi_label=True, seed=3, rank=1)
     it = iter(a)
     next(it)  # one micro batch, then the checkpoint
     state = a.state_dict()
@@ -219,7 +219,8 @@ def test_pretrain_recipes_take_a_multilabel_folder_unchanged(stripes, recipe, re
                      seed=cfg.seed, num_workers=0)
     images, labels = next(iter(ld))
     assert images.shape == (8, 3, cfg.model.img_size, cfg.model.img_size) and labels.shape == (8, 6)
-    x, targets = Mixer.from_config(cfg.data, ld.info, seed=cfg.seed, rank=0)(images.float(), labels, ld.position)
+    x, targets = Mixer(6, cfg.data.mixup, cfg.data.cutmix, cfg.data.label_smoothing, multi_label=True, seed=cfg.seed,
+                       rank=0)(images.float(), labels, ld.position)
     logits = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
     loss = loss_fn(cfg.train.loss, logits, targets, label_smoothing=cfg.data.label_smoothing)
     assert torch.isfinite(loss) and 0 <= int(top1_hits(logits, labels)) <= 8

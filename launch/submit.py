@@ -132,13 +132,13 @@ def splits_read(cfg, stage: str) -> dict[str, str | None]:
 
 
 def check_data(cfg, stage: str) -> None:
-    """The dataset exists and has every split the run will read (pipeline.data.shards.check_splits,
+    """The dataset exists and has every split the run will read (pipeline.data.check_splits,
     which the stage repeats at its start). Fewer shards than ranks x loader workers is fine: the loader
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
     from data_prep import store
     from data_prep.schema import INFO_FILE, DatasetInfo
     from pipeline.config import fewshot_sets
-    from pipeline.data.loader import DataError, check_splits
+    from pipeline.data import DataError, check_splits
     from pipeline.data.synthetic import is_synthetic
 
     path = cfg.data.path

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.data.loader import check_splits
+from pipeline.data import check_splits
 from pipeline.distributed import rank0_print, setup
 from pipeline.eval.classify import score_model, write_results
 from pipeline.rundir import own_run_dir

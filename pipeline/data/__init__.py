@@ -7,6 +7,8 @@
     source.eval_loader(cfg.data, ...)   each sample once over all ranks: (uint8 images, labels, valid mask)
     source.training_loaders(cfg.data, ...)  a training run's two: the train stream, the val split's (or None)
     source.normalize(x)              uint8 on the device -> the model's input range
+    check_splits(path, {key: split})  before a run starts: every split it reads is there (one line naming
+                                     the key, the file and the remedy otherwise)
 
 shards.py reads tars and ``_info.json`` (with data_prep.tar and .schema); loader.py decodes and batches them;
 augment.py holds the image transforms; mixing.py mixup/cutmix/label smoothing (the training step's,
@@ -16,6 +18,7 @@ after the loader); synthetic.py is an in-memory set for tests and smoke runs.
 from __future__ import annotations
 
 import json
+import os
 
 from pipeline.data.shards import DataError, Info, SplitInfo
 from pipeline.data.source import DataSource, EvalBatches, TrainBatches
@@ -43,6 +46,46 @@ def num_classes(data_cfg, model_classes: int = 0) -> int:
     return model_classes or read_info(data_cfg.path).num_classes
 
 
+_HINTS = {
+    "data.val_split": "re-run vitp prep with --val-fraction or set data.val_split= (no evaluation)",
+    "data.train_split": "set data.train_split to one of those, or re-run vitp prep",
+}
+
+
+def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None:
+    """Every split a run will read is in the dataset, before anything starts (submission, stage start).
+
+    ``splits``: config key → split name, e.g. ``{"data.train_split": "train", "data.val_split": "val"}``;
+    a None/empty name (no evaluation) is not read and not checked. Reads only ``_info.json`` (or the
+    synthetic spec). Raises DataError with one line naming the key, the file and what to do::
+
+        data.val_split: 'val' not in SHARDS/_info.json (has: train); re-run vitp prep with --val-fraction ...
+    """
+
+    want = {k: v for k, v in splits.items() if v}
+    from data_prep import store
+    from data_prep.schema import INFO_FILE
+    from pipeline.data import synthetic
+    from pipeline.data.shards import info_file, read_description
+
+    if synthetic.is_synthetic(str(path)):
+        where = f"data.path {path}"
+        has = {k: sp.num_samples for k, sp in synthetic.read_info(str(path)).splits.items()}
+    else:
+        info_file(path)  # a missing description is one line worded as every reader words it
+        try:
+            has = {k: len(sp.filenames) for k, sp in read_description(path).splits.items()}
+        except DataError as e:
+            raise DataError(f"data.path: {e}") from None
+        where = store.public(store.join(str(path), INFO_FILE))
+    for key, name in want.items():
+        hint = _HINTS.get(key, "re-run vitp prep or pick another split")
+        if name not in has:
+            raise DataError(f"{key}: {name!r} not in {where} (has: {', '.join(has) or 'none'}); {hint}")
+        if not has[name]:
+            raise DataError(f"{key}: {name!r} in {where} is empty; {hint}")
+
+
 def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
     """What a run read, as MLflow dataset inputs: one per split (``contexts``: split -> "training" |
     "evaluation"; None or missing splits are left out). The folder is the source, prep's plan id (or a
@@ -64,4 +107,4 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
 
 
 __all__ = ["DataError", "DataSource", "EvalBatches", "Info", "SplitInfo", "TrainBatches", "dataset_inputs",
-           "num_classes", "read_info", "source_for"]
+           "check_splits", "num_classes", "read_info", "source_for"]

@@ -42,7 +42,6 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_prep import store
-from data_prep.schema import INFO_FILE
 
 from .augment import (
     EvalTransform,
@@ -60,9 +59,7 @@ from .shards import (  # noqa: F401 (re-exported: callers import the dataset API
     Info,
     SkipCounts,
     SplitInfo,
-    info_file,
     range_stop,
-    read_description,
     read_info,
     read_positions,
     read_segments,
@@ -71,48 +68,9 @@ from .shards import (  # noqa: F401 (re-exported: callers import the dataset API
 )
 from .source import ClassLoaders, DataSource
 from .stream import ReadPolicy, io_stats
-from .synthetic import is_synthetic
-from .synthetic import read_info as synthetic_info
 
-__all__ = ["Info", "SplitInfo", "read_info", "check_splits", "TrainLoader", "EvalLoader", "normalize", "DataError",
+__all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "normalize", "DataError",
            "SKIP_REASONS", "ShardSource", "StreamSpec", "collate_as_is"]
-
-
-# ── Before a run starts ─────────────────────────────────────────────────────────────────────────────
-_HINTS = {
-    "data.val_split": "re-run vitp prep with --val-fraction or set data.val_split= (no evaluation)",
-    "data.train_split": "set data.train_split to one of those, or re-run vitp prep",
-}
-
-
-def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None:
-    """Every split a run will read is in the dataset, before anything starts (submission, stage start).
-
-    ``splits``: config key → split name, e.g. ``{"data.train_split": "train", "data.val_split": "val"}``;
-    a None/empty name (no evaluation) is not read and not checked. Reads only ``_info.json`` (or the
-    synthetic spec). Raises DataError with one line naming the key, the file and what to do::
-
-        data.val_split: 'val' not in SHARDS/_info.json (has: train); re-run vitp prep with --val-fraction ...
-    """
-
-    want = {k: v for k, v in splits.items() if v}
-    if is_synthetic(str(path)):
-        where = f"data.path {path}"
-        has = {k: sp.num_samples for k, sp in synthetic_info(str(path)).splits.items()}
-    else:
-        info_file(path)  # a missing description is one line worded as every reader words it
-        try:
-            has = {k: len(sp.filenames) for k, sp in read_description(path).splits.items()}
-        except DataError as e:
-            raise DataError(f"data.path: {e}") from None
-        where = store.public(store.join(str(path), INFO_FILE))
-    for key, name in want.items():
-        hint = _HINTS.get(key, "re-run vitp prep or pick another split")
-        if name not in has:
-            raise DataError(f"{key}: {name!r} not in {where} (has: {', '.join(has) or 'none'}); {hint}")
-        if not has[name]:
-            raise DataError(f"{key}: {name!r} in {where} is empty; {hint}")
-
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:

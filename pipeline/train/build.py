@@ -31,7 +31,7 @@ import torch
 
 from pipeline import data as data_lib
 from pipeline.config import Config, resolve
-from pipeline.data.loader import check_splits
+from pipeline.data import check_splits
 from pipeline.data.mixing import Mixer
 from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
 from pipeline.tracking import METRICS, JsonlSink, Sinks

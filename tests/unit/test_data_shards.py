@@ -98,7 +98,7 @@ def test_read_info_errors(tmp_path):
 
 
 def test_check_splits_names_key_file_and_remedy(tmp_path):
-    from pipeline.data.loader import check_splits
+    from pipeline.data import check_splits
 
     write_dataset(tmp_path, {"train": [3, 2]})  # `vitp prep` without --val-fraction: no val split
     check_splits(tmp_path, {"data.train_split": "train", "data.val_split": None})  # no evaluation: fine

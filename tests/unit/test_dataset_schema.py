@@ -77,8 +77,7 @@ def test_a_wrong_type_is_one_line_naming_file_and_key(tmp_path, doc, key):
 
 def test_every_reader_reports_a_malformed_info_the_same_way(tmp_path):
     from data_prep.checks import verify
-    from pipeline.data import DataError
-    from pipeline.data.loader import check_splits
+    from pipeline.data import DataError, check_splits
     from pipeline.data.shards import read_info
 
     (tmp_path / "_info.json").write_text(json.dumps({"splits": {"train": {"filenames": ["a.tar"],

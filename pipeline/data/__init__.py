@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import os
 
-from pipeline.data.shards import DataError, Info, SplitInfo
+from data_prep import store
+from data_prep.schema import INFO_FILE
+from pipeline.data.shards import DataError, Info, SplitInfo, info_file, read_description
 from pipeline.data.source import DataSource, EvalBatches, TrainBatches
 
 
@@ -62,12 +64,9 @@ def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None
         data.val_split: 'val' not in SHARDS/_info.json (has: train); re-run vitp prep with --val-fraction ...
     """
 
-    want = {k: v for k, v in splits.items() if v}
-    from data_prep import store
-    from data_prep.schema import INFO_FILE
     from pipeline.data import synthetic
-    from pipeline.data.shards import info_file, read_description
 
+    want = {k: v for k, v in splits.items() if v}
     if synthetic.is_synthetic(str(path)):
         where = f"data.path {path}"
         has = {k: sp.num_samples for k, sp in synthetic.read_info(str(path)).splits.items()}

@@ -30,8 +30,7 @@ class Schedule:
     Its settings span three sections (the builder reads them: ``optim.lr``, ``train.steps`` and the
     ``schedule`` section), so it takes them as the values :func:`lr_at` names."""
 
-    def __init__(self, *, lr: float, total_steps: int, warmup_steps: int = 0, decay: str = "cosine",
-                 end_lr: float = 0.0):
+    def __init__(self, *, lr: float, total_steps: int, warmup_steps: int, decay: str, end_lr: float):
         self.lr, self.total_steps = lr, total_steps
         self.warmup_steps, self.decay, self.end_lr = warmup_steps, decay, end_lr
 

@@ -67,6 +67,8 @@ def check_shard(path: str, num_classes: int, multi_label: bool = False) -> tuple
     stream = None
     try:
         stream = _Hashing(store.open_read(path))
+        # the standard library's reader, not data_prep.tar: verify is a second opinion on what that module
+        # wrote, so a bug the writer and the loader's reader share cannot pass it
         with tarfile.open(fileobj=stream, mode="r|") as tar:  # "r|": in order, no seeks (a stream)
             for m in tar:
                 if not m.isfile():

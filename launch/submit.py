@@ -172,7 +172,7 @@ def check_tracking(cfgs: list, stage: str) -> None:
     line naming the server, the reason and what to set; nothing is queued. An unreachable server is
     not refused here: the job buffers and spools (`vitp sync`)."""
     from pipeline.tracking.mlflow_store import access_problem
-    from pipeline.tracking.setup import resolve_uri
+    from pipeline.tracking.setup import Tracking
 
     seen = set()
     for cfg in cfgs:
@@ -180,7 +180,7 @@ def check_tracking(cfgs: list, stage: str) -> None:
             continue
         exp = cfg.tracking.experiment
         if stage != "eval":
-            uri = resolve_uri(cfg, cfg.run.dir)
+            uri = Tracking.from_config(cfg, cfg.run.dir, rank=0).uri
         else:
             from pipeline.evaluate import run_of_checkpoint
 

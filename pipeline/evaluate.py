@@ -26,7 +26,7 @@ from pipeline.data import DataError, dataset_inputs, read_info
 from pipeline.distributed import comm_device, rank_world, setup
 from pipeline.eval.classify import score_model, write_results
 from pipeline.tracking import Sinks
-from pipeline.tracking.setup import configured_sinks, start_mlflow
+from pipeline.tracking.setup import Tracking
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.weights import load_model
 
@@ -118,15 +118,15 @@ def _start_tracking(cfg: EvalConfig, out_dir: Path, rank: int, world: int) -> tu
     $MLFLOW_TRACKING_URI is set; else none. Plus the tracking.sinks, on rank 0."""
     e, parent = cfg.eval, run_of_checkpoint(cfg.eval.checkpoint)
     uri = parent.uri if parent.run_id else os.environ.get("MLFLOW_TRACKING_URI")
-    extra = configured_sinks(cfg, out_dir, rank=rank)
+    tracking = Tracking(cfg.tracking, out_dir, rank=rank)
+    extra = tracking.extra_sinks()
     if rank != 0 or not uri or not cfg.tracking.enabled:
         return Sinks(*extra), parent
     splits = {e.split: "evaluation", **({cfg.data.train_split: "training"} if e.fewshot or e.linear_probe else {})}
-    tracker = start_mlflow(cfg, out_dir, rank=rank, world_size=world, stage="eval", uri=uri,
-                           parent_run_id=parent.run_id, run_name=f"eval-{e.split}",
-                           experiment=parent.experiment or cfg.tracking.experiment,
-                           params={k: v for k, v in flatten(cfg).items() if k.startswith(("eval.", "data."))},
-                           datasets=dataset_inputs(cfg.data.path, splits))
+    tracker = tracking.mlflow(world_size=world, stage="eval", uri=uri, parent_run_id=parent.run_id,
+                              run_name=f"eval-{e.split}", experiment=parent.experiment or cfg.tracking.experiment,
+                              params={k: v for k, v in flatten(cfg).items() if k.startswith(("eval.", "data."))},
+                              datasets=dataset_inputs(cfg.data.path, splits))
     tracker = Sinks(tracker, *extra)
     tracker.set_tags({"vitp.checkpoint": str(Path(e.checkpoint).resolve()), "vitp.eval_split": e.split})
     return tracker, parent

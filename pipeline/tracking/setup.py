@@ -104,19 +104,3 @@ class Tracking:
         sink.log_inputs(datasets or [])
         return sink
 
-
-# the same, for a caller holding a whole stage config (the evaluation stage, tests)
-def resolve_uri(cfg, run_dir: str | os.PathLike) -> str:
-    return Tracking.from_config(cfg, run_dir, rank=0).uri
-
-
-def configured_sinks(cfg, run_dir: str | os.PathLike, *, rank: int) -> list[Sink]:
-    return Tracking.from_config(cfg, run_dir, rank=rank).extra_sinks()
-
-
-def check_access(cfg, run_dir: str | os.PathLike, *, rank: int) -> None:
-    Tracking.from_config(cfg, run_dir, rank=rank).check_access()
-
-
-def start_mlflow(cfg, run_dir: str | os.PathLike, *, rank: int, **kw) -> Sink:
-    return Tracking.from_config(cfg, run_dir, rank=rank).mlflow(**kw)

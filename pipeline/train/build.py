@@ -92,6 +92,13 @@ def step_flops(model, images_per_rank: int, patch_drop: float = 0.0) -> float:
         return float("nan")
 
 
+def mixer_for(data, info, *, seed: int, rank: int) -> Mixer:
+    """The training step's mixer from the ``data`` section (mixup, cutmix, label smoothing) over the
+    dataset ``info``'s classes (and whether they are multi-label)."""
+    return Mixer(info.num_classes, data.mixup, data.cutmix, data.label_smoothing, multi_label=info.multi_label,
+                 seed=seed, rank=rank)
+
+
 @dataclass
 class Parts:
     """The run's parts a caller's periodic task may need (``build_run(tasks=[lambda parts: ...])``)."""
@@ -177,8 +184,7 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     loader, val_loader = source.training_loaders(d, img_size=cfg.model.img_size, micro_batch=t.micro_batch,
                                                  global_batch=t.global_batch, eval_batch=cfg.eval.batch, rank=rank,
                                                  world_size=world, seed=cfg.seed, pin_memory=device.type == "cuda")
-    mixer = Mixer(info.num_classes, d.mixup, d.cutmix, d.label_smoothing, multi_label=info.multi_label,
-                  seed=cfg.seed, rank=rank)
+    mixer = mixer_for(d, info, seed=cfg.seed, rank=rank)
     ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
     drops = PatchDrop(model, drop=cfg.model.patch_drop, until=t.patch_drop_until, seed=cfg.seed, rank=rank,
                       device=device)

@@ -53,7 +53,10 @@ def test_a_sink_named_in_the_config_gets_what_metrics_jsonl_gets(tmp_path):
 
 def test_a_sink_name_that_is_not_a_sink_is_a_config_error(tmp_path):
     from pipeline.config import ConfigError, load_config
-    from pipeline.tracking.setup import configured_sinks
+    from pipeline.tracking.setup import Tracking
+
+    def configured_sinks(cfg, run_dir, rank):
+        return Tracking.from_config(cfg, run_dir, rank=rank).extra_sinks()
 
     for name, says in [("tests.integration.test_sinks:Nope", "AttributeError"),
                        ("no_such_module_x:Sink", "ModuleNotFoundError"),

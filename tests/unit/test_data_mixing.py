@@ -92,3 +92,13 @@ def test_smoothing_only_and_nothing_to_do():
     assert not plain.active and plain(x, Y, (0, 0)) == (x, Y)  # the loss takes the labels themselves
     with pytest.raises(ValueError, match="even micro batch; got 3"):
         Mixer(K, mixup=1.0)(rows()[:3], Y[:3], (0, 0))
+
+
+def test_from_config_reads_the_data_section():
+    from pipeline.config import DataCfg
+    from pipeline.data.synthetic import read_info
+    from pipeline.train.build import mixer_for
+
+    m = mixer_for(DataCfg(path="synthetic:classes=6", mixup=0.5, label_smoothing=0.3),
+                  read_info("synthetic:classes=6"), seed=2, rank=1)
+    assert (m.num_classes, m.mixing, m.smoothing, m.seed, m.rank, m.multi_label) == (6, True, 0.3, 2, 1, False)

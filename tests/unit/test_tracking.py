@@ -13,7 +13,7 @@ from pipeline.eval.figures import loss_curve_png
 from pipeline.tracking import Sink
 from pipeline.tracking.mlflow_sink import SPOOL
 from pipeline.tracking.mlflow_sink import MlflowSink as Tracker
-from pipeline.tracking.setup import start_mlflow
+from pipeline.tracking.setup import Tracking
 
 
 def dead_uri() -> str:
@@ -96,9 +96,9 @@ def test_only_rank0_tracks(tmp_path):
     from pipeline.config import load_config
 
     cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic"], world_size=2)
-    assert type(start_mlflow(cfg, tmp_path, rank=1, world_size=2, stage="pretrain")) is Sink
+    assert type(Tracking.from_config(cfg, tmp_path, rank=1).mlflow(world_size=2, stage="pretrain")) is Sink
     cfg.tracking.enabled = False
-    assert type(start_mlflow(cfg, tmp_path, rank=0, world_size=2, stage="pretrain")) is Sink
+    assert type(Tracking.from_config(cfg, tmp_path, rank=0).mlflow(world_size=2, stage="pretrain")) is Sink
 
 
 def test_loss_curve_png(tmp_path):

@@ -5,7 +5,7 @@ nodes) and a second NIC whose network does not reach the other node, which the n
 resolves to (its own /etc/hosts, as `ip netns exec` mounts it): gloo's default, binding to the
 hostname's address, then advertises an address the peer cannot connect to and retries until the
 group's timeout (it was a day for the side group). vitp picks the NIC that routes to MASTER_ADDR,
-and bounds every group's setup by engine.dist_timeout_s.
+and bounds every group's setup by engine.rendezvous_timeout_s.
 """
 
 import json
@@ -116,16 +116,16 @@ def test_gloo_binds_to_the_nic_that_routes_to_the_master(two_nodes):
     assert all(res["s"] < 20 for _, res in results), results  # both groups formed at once, not at a timeout
 
 
-def test_an_unreachable_interface_fails_within_dist_timeout_in_one_line(two_nodes):
+def test_an_unreachable_interface_fails_within_rendezvous_timeout_in_one_line(two_nodes):
     """Each node's hostname NIC pinned by the user (exactly where gloo binds without a choice): the
     ranks advertise addresses the peer cannot reach. Each fails with one line naming the interface,
-    bounded by engine.dist_timeout_s (3 s here), not a day: node b's connect is refused at once
+    bounded by engine.rendezvous_timeout_s (3 s here), not a day: node b's connect is refused at once
     (no route), node a waits for it and gloo retries that wait (measured: 5 x the timeout)."""
     timeout = 3
     results = run_pair(two_nodes, timeout_s=timeout, ifnames={"a": "ma0", "b": "mb0"})
     for (rc, res), nic in zip(results, ("ma0", "mb0")):
         assert rc == 3, results
         assert "\n" not in res["error"] and res["error"].startswith("rank ")
-        assert f"gloo on {nic} (GLOO_SOCKET_IFNAME)" in res["error"] and "engine.dist_timeout_s" in res["error"]
+        assert f"gloo on {nic} (GLOO_SOCKET_IFNAME)" in res["error"] and "engine.rendezvous_timeout_s" in res["error"]
         assert res["s"] < 6 * timeout + 10, results
     assert results[0][1]["s"] >= timeout  # rank 0 waited for the bound: the failure is the timeout's

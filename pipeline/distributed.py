@@ -17,7 +17,8 @@ care which one started them.
   group (DeepSpeed's own too: :func:`bound_collectives`), within engine.collective_timeout_s.
 - A stage sets its process up with one call, :func:`setup` (accelerator, rendezvous, group, device).
 - Gloo binds to the interface that routes to MASTER_ADDR (:func:`pipeline.network.choose_gloo_interface`),
-  not to whatever the hostname resolves to on a multi-NIC node.
+  not to whatever the hostname resolves to on a multi-NIC node, and never to loopback on the master
+  node of a job that spans nodes.
 """
 
 from __future__ import annotations
@@ -44,19 +45,10 @@ class DistEnv:
 
 
 def _first_slurm_host(nodelist: str) -> str:
-    """First hostname of a SLURM nodelist ("node[1-2]" → "node1"); scontrol knows every syntax."""
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split()
-        if out:
-            return out[0]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    head = nodelist.split(",")[0]
-    if "[" in head:
-        prefix, rest = head.split("[", 1)
-        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
-    return head
+    """First hostname of a SLURM nodelist ("node[1-2]" → "node1")."""
+    from pipeline.network import slurm_hostnames
+
+    return (slurm_hostnames(nodelist) or [nodelist])[0]
 
 
 def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port: int = 0) -> DistEnv:
@@ -72,7 +64,7 @@ def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port:
         return DistEnv(
             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
             local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", 1))),  # LOCAL_SIZE: deepspeed's
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)), source="env")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
@@ -381,9 +373,13 @@ def init_process_group(d: DistEnv, backend: str = "auto", rendezvous_s: float = 
         raise RendezvousError(
             f"rendezvous port {d.master_port} on {d.master_addr} is already in use; "
             f"set MASTER_PORT to a free port or resubmit")
-    from pipeline.network import choose_gloo_interface
+    from pipeline.network import InterfaceError, choose_gloo_interface
 
-    ifname = choose_gloo_interface(d.master_addr) if d.world_size > 1 else None
+    try:  # the job spans nodes when the launcher says this node holds fewer ranks than the world
+        ifname = (choose_gloo_interface(d.master_addr, spans_nodes=d.world_size > d.local_world_size)
+                  if d.world_size > 1 else None)
+    except InterfaceError as e:
+        raise RendezvousError(f"rank {d.rank}/{d.world_size}: {e}") from None
     timeout = datetime.timedelta(seconds=rendezvous_s)
     try:
         dist.init_process_group(backend, init_method=f"tcp://{where}", rank=d.rank, world_size=d.world_size,

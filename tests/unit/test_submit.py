@@ -78,6 +78,17 @@ def test_resources_merge_order_and_checks(tmp_path):
         check_cluster(load_submit_config(TINY, ["cluster.gpus_per_node=4"]), "local")
 
 
+def test_per_task_gpu_binding_is_warned_about(capsys):
+    """Each task bound to its own GPU can cost NVLink (NVIDIA/nccl#1066); vitp's default does not."""
+    check_cluster(load_submit_config(TINY, ["cluster.gpus_per_node=2"]), "local")
+    assert capsys.readouterr().err == ""
+    check_cluster(load_submit_config(TINY, ["cluster.gpus_per_node=2", "cluster.extra_sbatch={gpus-per-task: '1'}"]),
+                  "local")
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("warning: cluster.extra_sbatch.gpus-per-task: each task sees only its own GPU;")
+    assert "NVLink" in err and "\n" not in err
+
+
 def test_parse_sweep(tmp_path):
     assert parse_sweep([]) == []
     assert parse_sweep(["optim.lr=1e-3,3e-4", "train.steps=10,20"]) == [

@@ -277,8 +277,8 @@ class StageJob:
         print(f"vitp: {self.stage} rank {d.rank}/{d.world_size} local {d.local_rank}/{d.local_world_size} "
               f"master {d.master_addr}:{d.master_port} restart {_restarts()}", file=sys.stderr, flush=True)
         # the accelerator is this node's choice (never the submitting host's DS_ACCELERATOR), held to the
-        # GPUs the job asked for; the rendezvous is the one exported above
-        setup(cfg, gpus_asked=cfg.cluster.gpus_per_node)
+        # GPUs the config asks for; the rendezvous is the one exported above
+        setup(cfg)
 
         faults.hit("step", 0)  # tests may hold every rank here, before the stage starts
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
@@ -310,7 +310,7 @@ class StageJob:
                                     f"'{job_env.cluster}' executor cannot requeue; resubmit to resume")
         job_id, step = str(job_env.job_id), summary.get("step")
         # every rank has saved before rank 0 requeues (which kills the job) or reports the end
-        _file_barrier(folder, f"stop-{_restarts()}", d, cfg.engine.dist_timeout_s)
+        _file_barrier(folder, f"stop-{_restarts()}", d, cfg.engine.collective_timeout_s)
         if d.is_rank0:
             cause = term_cause(job_id, folder)  # a site may preempt with USR2 (send_user_signal) too
             if reason == "requeue":

@@ -111,11 +111,21 @@ def partitions() -> list[str]:
     return [p.strip().rstrip("*") for p in r.stdout.split() if p.strip()]
 
 
+PER_TASK_GPUS = ("gpus_per_task", "gpu_bind")  # sbatch options that give each task its own GPU
+
+
 def check_cluster(cfg, cluster: str) -> None:
     c = cfg.cluster
     if c.gpus_per_node and c.tasks_per_node != c.gpus_per_node:
         raise SubmitError(f"cluster.tasks_per_node: {c.tasks_per_node} != cluster.gpus_per_node "
                           f"{c.gpus_per_node} (one task per GPU)")
+    per_task = [k for k in c.extra_sbatch if k.replace("-", "_") in PER_TASK_GPUS]
+    if per_task and c.gpus_per_node > 1:
+        # NVIDIA/nccl#1066: NCCL detects NVLink only among the GPUs a process can see
+        print(f"warning: cluster.extra_sbatch.{per_task[0]}: each task sees only its own GPU; where SLURM "
+              "isolates it (cgroup ConstrainDevices) NCCL loses NVLink/P2P between the node's tasks: "
+              "every task seeing the node's GPUs (vitp's default, --gpus-per-node) is the fast path",
+              file=sys.stderr)
     if cluster == "slurm" and c.partition:
         known = partitions()
         if c.partition not in known:

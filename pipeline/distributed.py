@@ -12,11 +12,13 @@ care which one started them.
   the cluster, gloo on a CPU test would accept it silently.
 - Rank-0-only work that others must wait for (checkpoint conversion, consolidation) is awaited with
   :func:`wait_for_rank0`, a wait on the rendezvous store with a long timeout, so the NCCL watchdog
-  never sees a rank parked inside a collective. Everything else that connects (the groups, the
-  gloo side group) fails within engine.dist_timeout_s.
+  never sees a rank parked inside a collective. Joining (the rendezvous store, the groups, the
+  gloo side group) fails within engine.rendezvous_timeout_s; every collective after that, on every
+  group (DeepSpeed's own too: :func:`bound_collectives`), within engine.collective_timeout_s.
 - A stage sets its process up with one call, :func:`setup` (accelerator, rendezvous, group, device).
 - Gloo binds to the interface that routes to MASTER_ADDR (:func:`pipeline.network.choose_gloo_interface`),
-  not to whatever the hostname resolves to on a multi-NIC node.
+  not to whatever the hostname resolves to on a multi-NIC node, and never to loopback on the master
+  node of a job that spans nodes.
 """
 
 from __future__ import annotations
@@ -43,19 +45,10 @@ class DistEnv:
 
 
 def _first_slurm_host(nodelist: str) -> str:
-    """First hostname of a SLURM nodelist ("node[1-2]" → "node1"); scontrol knows every syntax."""
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split()
-        if out:
-            return out[0]
-    except (OSError, subprocess.SubprocessError):
-        pass
-    head = nodelist.split(",")[0]
-    if "[" in head:
-        prefix, rest = head.split("[", 1)
-        head = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
-    return head
+    """First hostname of a SLURM nodelist ("node[1-2]" → "node1")."""
+    from pipeline.network import slurm_hostnames
+
+    return (slurm_hostnames(nodelist) or [nodelist])[0]
 
 
 def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port: int = 0) -> DistEnv:
@@ -71,7 +64,7 @@ def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port:
         return DistEnv(
             rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
             local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", 1))),  # LOCAL_SIZE: deepspeed's
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)), source="env")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
@@ -187,7 +180,10 @@ def choose_accelerator(backend: str = "auto", gpus_per_node: int = 0) -> str:
     problem = cuda_problem()
     if problem is not None and wants_gpu(backend, gpus_per_node):
         why = "engine.backend=nccl" if backend == "nccl" else f"cluster.gpus_per_node={gpus_per_node}"
-        raise AcceleratorError(f"{why} asks for GPUs but CUDA is not usable: {problem}")
+        cpu = " ".join([*(["engine.backend=gloo"] if backend == "nccl" else []),
+                        *(["cluster.gpus_per_node=0"] if gpus_per_node > 0 else [])])
+        raise AcceleratorError(f"{why} asks for GPUs but CUDA is not usable: {problem}; "
+                               f"to train on the CPU, override {cpu}")
     # engine.backend=gloo is the CPU backend: such a recipe trains on the CPU even where GPUs are
     kind = "cpu" if problem is not None or backend == "gloo" else "cuda"
     os.environ["DS_ACCELERATOR"] = kind
@@ -316,10 +312,10 @@ def leave_process_group() -> None:
     """
     import torch.distributed as dist
 
-    global _SIDE_GROUP, _COMM_DEVICE, _WAITS, _ACCELERATOR
+    global _SIDE_GROUP, _COMM_DEVICE, _WAITS, _ACCELERATOR, _COLLECTIVE_S
     if dist.is_initialized():
         dist.destroy_process_group()
-    _SIDE_GROUP = _COMM_DEVICE = _ACCELERATOR = None
+    _SIDE_GROUP = _COMM_DEVICE = _ACCELERATOR = _COLLECTIVE_S = None
     _WAITS = 0
 
 
@@ -348,13 +344,18 @@ def agent_store_serves(d: DistEnv, environ=None) -> bool:
             and env.get("MASTER_PORT") == str(d.master_port))
 
 
-def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300) -> bool:
-    """Join the process group described by ``d`` within ``timeout_s`` or raise RendezvousError.
+def init_process_group(d: DistEnv, backend: str = "auto", rendezvous_s: float = 300,
+                       collective_s: float = 1800) -> bool:
+    """Join the process group described by ``d`` within ``rendezvous_s`` or raise RendezvousError;
+    then every collective (and every wait on the store) is bounded by ``collective_s``.
 
+    torch gives ``init_process_group`` one ``timeout`` for both: the store's (the rendezvous, the
+    group's setup) and the group's (each collective, NCCL's watchdog). The group is formed under the
+    rendezvous bound and then given the collective one (:func:`bound_collectives`).
     Done before DeepSpeed starts (DeepSpeed then reuses the group). Under NCCL the rank's GPU is
     set first. Gloo binds to the interface that routes to the master (GLOO_SOCKET_IFNAME, unless
-    set). Also makes the gloo side group, within the same ``timeout_s``. Returns False when a group
-    already exists.
+    set). Also makes the gloo side group, within the same ``rendezvous_s``. Returns False when a
+    group already exists.
     """
     import datetime
 
@@ -372,10 +373,14 @@ def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300
         raise RendezvousError(
             f"rendezvous port {d.master_port} on {d.master_addr} is already in use; "
             f"set MASTER_PORT to a free port or resubmit")
-    from pipeline.network import choose_gloo_interface
+    from pipeline.network import InterfaceError, choose_gloo_interface
 
-    ifname = choose_gloo_interface(d.master_addr) if d.world_size > 1 else None
-    timeout = datetime.timedelta(seconds=timeout_s)
+    try:  # the job spans nodes when the launcher says this node holds fewer ranks than the world
+        ifname = (choose_gloo_interface(d.master_addr, spans_nodes=d.world_size > d.local_world_size)
+                  if d.world_size > 1 else None)
+    except InterfaceError as e:
+        raise RendezvousError(f"rank {d.rank}/{d.world_size}: {e}") from None
+    timeout = datetime.timedelta(seconds=rendezvous_s)
     try:
         dist.init_process_group(backend, init_method=f"tcp://{where}", rank=d.rank, world_size=d.world_size,
                                 timeout=timeout, **device_id_arg(backend, d.world_size, device))
@@ -386,34 +391,66 @@ def init_process_group(d: DistEnv, backend: str = "auto", timeout_s: float = 300
         who = "waiting for the other ranks" if d.is_rank0 else f"connecting to rank 0 at {where}"
         nic = f"; gloo on {ifname} (GLOO_SOCKET_IFNAME)" if ifname else ""
         raise RendezvousError(
-            f"rank {d.rank}/{d.world_size}: rendezvous at {where} failed after {timeout_s:g}s "
-            f"{who} ({first[:300]}){nic}; engine.dist_timeout_s sets the limit") from None
+            f"rank {d.rank}/{d.world_size}: rendezvous at {where} failed after {rendezvous_s:g}s "
+            f"{who} ({first[:300]}){nic}; engine.rendezvous_timeout_s sets the limit") from None
+    bound_collectives(collective_s)
     return True
+
+
+_COLLECTIVE_S: float | None = None  # engine.collective_timeout_s of the live group
+
+
+def bound_collectives(seconds: float | None = None) -> None:
+    """Give every live process group, and the rendezvous store, the collective timeout (``seconds``,
+    else the one set before); call it again after a library made groups of its own.
+
+    A group made with ``new_group()`` and no timeout gets torch's default, not the default group's
+    (NCCL 10 min, gloo 30 min): DeepSpeed's data-parallel group, a clone of the world made that
+    way (deepspeed.utils.groups._clone_world_group), carries every ZeRO reduction and gather.
+    The store's waits (a communicator made at a group's first collective fetches its id there)
+    are collective waits too, once the ranks have met.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    global _COLLECTIVE_S
+    if seconds is not None:
+        _COLLECTIVE_S = seconds
+    if _COLLECTIVE_S is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    timeout = datetime.timedelta(seconds=_COLLECTIVE_S)
+    c10d = dist.distributed_c10d
+    set_timeout = getattr(dist, "set_timeout", None) or c10d._set_pg_timeout  # public from torch 2.14
+    for group in list(c10d._world.pg_map):  # the groups this rank belongs to
+        set_timeout(timeout, group)
+    c10d._get_default_store().set_timeout(timeout)
 
 
 _ACCELERATOR = None  # what setup() chose for this process while its group lives
 
 
-def setup(cfg, *, gpus_asked: int = 0) -> str:
+def setup(cfg) -> str:
     """This process's one setup for a stage: decide the accelerator on this node, read rank/world/
     master from the environment (a launcher's or SLURM's; engine.master_addr/master_port under SLURM
     alone), export them for DeepSpeed, and join the process group (a group of one for a single
     process: DeepSpeed needs one); returns 'cuda' or 'cpu'.
 
-    ``gpus_asked``: the GPUs a submitted job asked SLURM for (cluster.gpus_per_node): the job holds the
-    node to them (CUDA not usable is then an AcceleratorError); a process started by hand runs on what
-    it finds. Idempotent: while the group lives, later calls return the first choice and change
-    nothing (a second export would undo the device binding of per-task GPUs, bind_local_rank).
+    The config asks for GPUs with engine.backend=nccl or cluster.gpus_per_node > 0 (the B/L/H
+    recipes): without usable CUDA that is an AcceleratorError under every launcher (torchrun,
+    deepspeed, vitp's own, SLURM), never a silent CPU run. Idempotent: while the group lives, later
+    calls return the first choice and change nothing (a second export would undo the device binding
+    of per-task GPUs, bind_local_rank).
     """
     global _ACCELERATOR
     import torch.distributed as dist
 
     if _ACCELERATOR is not None and dist.is_initialized():
         return _ACCELERATOR
-    kind = choose_accelerator(cfg.engine.backend, gpus_asked)
+    kind = choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)
     d = dist_env(master_addr=cfg.engine.master_addr, master_port=cfg.engine.master_port)
     export_env(d)
-    init_process_group(d, cfg.engine.backend, cfg.engine.dist_timeout_s)
+    init_process_group(d, cfg.engine.backend, cfg.engine.rendezvous_timeout_s, cfg.engine.collective_timeout_s)
     _ACCELERATOR = kind
     return kind
 
@@ -426,7 +463,7 @@ def wait_for_rank0() -> None:
     """A barrier that outwaits slow work: every rank waits here until all have arrived, however long
     rank 0's own work (or a rank's slow file system) takes (WAIT_FOR_RANK0_S).
 
-    A barrier on a group would sit inside the group's timeout (engine.dist_timeout_s; gloo applies
+    A barrier on a group would sit inside the group's timeout (engine.collective_timeout_s; gloo applies
     it to the ranks that wait for rank 0 even in monitored_barrier), so the wait is on the
     rendezvous store, with its own timeout. A rank that dies closes its connection (or, for rank 0,
     the store): the others fail at once, not after a day.

@@ -83,7 +83,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
             read_info(cfg.data.path).split(split)
         except DataError as err:
             raise FileNotFoundError(str(err)) from None
-    setup(cfg)  # a submitted job's GPU request is checked at job start (launch/preempt.py)
+    setup(cfg)
     device = comm_device()
     rank, world = rank_world()
     model = load_model(e.checkpoint, variant=e.variant, img_size=e.img_size).to(device)

@@ -1,11 +1,18 @@
 """Which network interface this node's gloo traffic uses: the one that routes to MASTER_ADDR
-(:func:`choose_gloo_interface`), not whatever the hostname resolves to on a multi-NIC node.
-pipeline.distributed calls it when it joins a group of more than one process.
+(:func:`choose_gloo_interface`), not whatever the hostname resolves to on a multi-NIC node; on the
+master node of a job that spans nodes, never loopback. pipeline.distributed calls it when it joins a
+group of more than one process.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+
+
+class InterfaceError(RuntimeError):
+    """No interface of this node reaches the job's other nodes; the message is one line."""
 
 
 def interface_addresses() -> dict[str, set[str]]:
@@ -34,39 +41,124 @@ def interface_addresses() -> dict[str, set[str]]:
     return found
 
 
-def route_interface(addr: str) -> str | None:
-    """The interface this node would use to reach ``addr`` (name or address), or None if unknown.
+def route_source(addr: str) -> str | None:
+    """The source address this node would use to reach ``addr`` (name or address), or None.
 
-    A UDP connect sends nothing: the kernel only picks the route and its source address, and the
-    interface holding that address is the one (for ``addr`` on this very node, the NIC that holds
-    it, which is what the other nodes reach, not ``lo`` as the routing table says).
-    """
+    A UDP connect sends nothing: the kernel only picks the route and its source address (for
+    ``addr`` on this very node, that address itself)."""
     import socket
 
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(addr, 9, type=socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect(sockaddr)
-            src = s.getsockname()[0]
+            return s.getsockname()[0].split("%")[0]
     except OSError:
         return None
-    src = src.split("%")[0]
+
+
+def holder(src: str) -> str | None:
+    """The interface that holds the address ``src``."""
     names = [n for n, addrs in interface_addresses().items() if src in addrs]
     return sorted(names)[0] if names else None
 
 
-def choose_gloo_interface(master_addr: str, environ=None) -> str | None:
+def route_interface(addr: str) -> str | None:
+    """The interface this node would use to reach ``addr`` (name or address), or None if unknown:
+    the one holding the route's source address (for ``addr`` on this very node, the NIC that holds
+    it, which is what the other nodes reach, not ``lo`` as the routing table says)."""
+    src = route_source(addr)
+    return holder(src) if src else None
+
+
+def is_loopback(addr: str | None) -> bool:
+    import ipaddress
+
+    try:
+        return addr is not None and ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def default_route_interface(route_table: str = "/proc/net/route") -> str | None:
+    """The interface of this node's IPv4 default route (the lowest metric), or None without one."""
+    try:
+        with open(route_table) as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+    except OSError:
+        return None
+    # Iface Destination Gateway Flags RefCnt Use Metric Mask ...; flags 0x1: the route is up
+    defaults = [(int(r[6]), r[0]) for r in rows
+                if len(r) >= 8 and r[1] == "00000000" and r[7] == "00000000" and int(r[3], 16) & 1 and r[0] != "lo"]
+    return min(defaults)[1] if defaults else None
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list, expanded: "gpu[01-03,7],login" -> gpu01 gpu02 gpu03 gpu7 login
+    (what ``scontrol show hostnames`` prints; used where scontrol is missing)."""
+    hosts: list[str] = []
+    for prefix, ranges, suffix in re.findall(r"([^,\[\]]*)(?:\[([^\]]*)\])?([^,\[\]]*),?", nodelist):
+        if not ranges:
+            if prefix + suffix:
+                hosts.append(prefix + suffix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}{suffix}")
+    return hosts
+
+
+def slurm_hostnames(nodelist: str) -> list[str]:
+    """Every host of a SLURM node list ("node[1-2]" -> node1 node2); scontrol knows every syntax."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+        if out:
+            return out
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return expand_hostlist(nodelist)
+
+
+def off_node_interface(master_addr: str, env) -> str:
+    """On the master node of a job that spans nodes, where MASTER_ADDR resolves to loopback (Ubuntu's
+    ``127.0.1.1 <hostname>`` in /etc/hosts): the interface that routes to another host of the
+    allocation (SLURM's node list), else the default route's; InterfaceError without either."""
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    for host in slurm_hostnames(nodelist) if nodelist else []:
+        src = route_source(host)
+        if src and not is_loopback(src) and holder(src):
+            return holder(src)
+    name = default_route_interface()
+    if name:
+        return name
+    where = f"no other node of SLURM_JOB_NODELIST={nodelist}" if nodelist else "no node list"
+    raise InterfaceError(f"MASTER_ADDR {master_addr} is this node's loopback address ({route_source(master_addr)}), "
+                         f"{where} routes off it and there is no default route: set GLOO_SOCKET_IFNAME to the "
+                         "interface the other nodes reach")
+
+
+def choose_gloo_interface(master_addr: str, environ=None, *, spans_nodes: bool = False) -> str | None:
     """Set GLOO_SOCKET_IFNAME to the interface that routes to ``master_addr`` unless the user set it;
     returns the interface gloo will use (None: gloo's own choice, by the hostname).
 
     Without it gloo binds to whatever the hostname resolves to: on a multi-NIC node (or with
     ``127.0.1.1 <hostname>`` in /etc/hosts) that address may not be reachable from the other nodes,
-    and each connect is retried until the group's timeout.
+    and each connect is retried until the group's timeout. When the job ``spans_nodes`` and
+    ``master_addr`` is a name that resolves to loopback here (this is the master node), loopback is
+    never the answer (:func:`off_node_interface`); a loopback literal or ``localhost`` as master means
+    one node, where ``lo`` is right.
     """
     env = os.environ if environ is None else environ
     if env.get("GLOO_SOCKET_IFNAME"):
         return env["GLOO_SOCKET_IFNAME"]
-    name = route_interface(master_addr)
+    src = route_source(master_addr)
+    named = not is_loopback(master_addr) and master_addr != "localhost"
+    if spans_nodes and named and is_loopback(src):
+        name = off_node_interface(master_addr, env)
+    else:
+        name = holder(src) if src else None
     if name:
         env["GLOO_SOCKET_IFNAME"] = name
     return name

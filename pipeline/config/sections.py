@@ -234,12 +234,25 @@ class EngineCfg(Section):
     offload_optimizer: Bool = False
     offload_params: Bool = False
     backend: one_of("auto", "nccl", "gloo") = "auto"
-    dist_timeout_s: Int = Field(300, ge=1)  # a rank that never arrives fails after this
+    # Two bounds, because joining and working fail differently: a rank that never arrives should fail
+    # the job in minutes, but a collective may legitimately wait much longer for a slow peer (the first
+    # step's uneven compile over hundreds of ranks, a resume reading the model inside DeepSpeed's
+    # barriers, slow shard start-up).
+    rendezvous_timeout_s: Int = Field(300, ge=1)  # joining: the rendezvous store and forming the groups
+    collective_timeout_s: Int = Field(1800, ge=1)  # every collective after that (NCCL's watchdog), every group
     # The rendezvous of a SLURM job: by default the allocation's first node and a port derived from
     # the job id. MASTER_ADDR/MASTER_PORT in the environment are ignored there (sbatch exports the
     # submitting shell's, stale for this allocation): set these to choose.
     master_addr: Str = ""
     master_port: Int = Field(0, ge=0, le=65535)  # 0: derived from the job id
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "dist_timeout_s" in data:
+            raise _problem("engine.dist_timeout_s: replaced by engine.rendezvous_timeout_s (joining the group, "
+                           "default 300) and engine.collective_timeout_s (each collective, default 1800)")
+        return data
 
     @model_validator(mode="after")
     def _engine(self):

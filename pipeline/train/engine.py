@@ -22,7 +22,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from pipeline.distributed import comm_device
+from pipeline.distributed import bound_collectives, comm_device
 
 
 def _deepspeed():
@@ -194,6 +194,7 @@ def build_engine(model: torch.nn.Module, cfg, param_groups: list[dict] | None = 
     args = argparse.Namespace(device_rank=comm_device().index or 0) if _on_gpu() else None
     engine, _, _, _ = _deepspeed().initialize(args=args, model=model, optimizer=make_optimizer(groups, cfg),
                                            config=ds_cfg, dist_init_required=False)
+    bound_collectives()  # DeepSpeed's data-parallel group was made with torch's default timeout
     return engine
 
 

@@ -61,6 +61,15 @@ def test_out_of_range():
     assert error_of(["model.dropout=1.5"]) == "model.dropout: must be <= 1.0; got 1.5"
 
 
+def test_one_timeout_became_two():
+    """Joining and each collective have their own bounds; the old single key names both."""
+    cfg = load_config(TINY)
+    assert (cfg.engine.rendezvous_timeout_s, cfg.engine.collective_timeout_s) == (300, 1800)
+    assert error_of(["engine.dist_timeout_s=600"]) == (
+        "engine.dist_timeout_s: replaced by engine.rendezvous_timeout_s (joining the group, default 300) "
+        "and engine.collective_timeout_s (each collective, default 1800)")
+
+
 def test_batch_divisibility():
     msg = error_of(["train.global_batch=30", "train.micro_batch=4"], world_size=2)
     assert msg == "train.global_batch: 30 is not divisible by world size 2 x train.micro_batch 4"

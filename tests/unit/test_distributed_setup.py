@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,40 @@ def test_setup_joins_once_and_keeps_the_first_choice(one_rank):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node where CUDA is not usable")
 def test_a_job_that_asked_for_gpus_is_held_to_them(one_rank):
-    cfg = load_config(ROOT / "configs/pretrain/tiny_cpu.yaml", world_size=1)
+    cfg = load_config(ROOT / "configs/pretrain/tiny_cpu.yaml", ["cluster.gpus_per_node=4"], world_size=1)
     with pytest.raises(pd.AcceleratorError, match=r"cluster.gpus_per_node=4 asks for GPUs but CUDA is not usable"):
-        pd.setup(cfg, gpus_asked=4)
+        pd.setup(cfg)
     assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node where CUDA is not usable")
+@pytest.mark.parametrize("recipe, over, why, cpu", [
+    ("pretrain/vit_b16.yaml", [], "cluster.gpus_per_node=8", "cluster.gpus_per_node=0"),
+    ("transfer/vit_l16_384.yaml", ["engine.backend=nccl"], "engine.backend=nccl",
+     "engine.backend=gloo cluster.gpus_per_node=0")])
+def test_a_recipe_that_asks_for_gpus_fails_under_any_launcher(one_rank, recipe, over, why, cpu):
+    """setup(cfg), as every stage calls it under torchrun or vitp's own launcher: the config's GPU
+    request, not only a SLURM job's, and the line names the override that trains on the CPU."""
+    cfg = load_config(ROOT / "configs" / recipe, ["data.path=x", *over], world_size=1)
+    with pytest.raises(pd.AcceleratorError) as e:
+        pd.setup(cfg)
+    assert str(e.value).startswith(f"{why} asks for GPUs but CUDA is not usable: ")
+    assert str(e.value).endswith(f"; to train on the CPU, override {cpu}") and "\n" not in str(e.value)
+    assert not dist.is_initialized()
+    assert pd.setup(load_config(ROOT / "configs" / recipe, ["data.path=x", *over, *cpu.split()], world_size=1)) == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a node where CUDA is not usable")
+def test_the_stage_command_refuses_before_training(tmp_path):
+    """`vitp pretrain` under a launcher's variables (torchrun's): exit 2, one line, the run dir untouched."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_", "LOCAL_", "MASTER_", "SLURM_"))}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(pd.free_port()), PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "pretrain", "--config",
+                        str(ROOT / "configs/pretrain/tiny_cpu.yaml"), "cluster.gpus_per_node=1",
+                        "data.path=synthetic", "train.steps=1", "tracking.enabled=false", f"run.dir={tmp_path / 'r'}"],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert lines[-1].startswith("error: cluster.gpus_per_node=1 asks for GPUs but CUDA is not usable")
+    assert lines[-1].endswith("override cluster.gpus_per_node=0") and not (tmp_path / "r").exists()

@@ -101,6 +101,30 @@ def one_rank(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_collective_timeout_bounds_every_group_deepspeed_made_too(one_rank):
+    """engine.collective_timeout_s on every group and the store once the ranks have met, DeepSpeed's
+    data-parallel group included: DeepSpeed makes it with new_group() and no timeout, which gets
+    torch's default (gloo 30 min, NCCL 10 min), not the default group's."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from pipeline.distributed import setup
+    from pipeline.model import build_vit
+    from pipeline.train import engine
+
+    cfg = cfg_with("engine.rendezvous_timeout_s=5", "engine.collective_timeout_s=77", "train.global_batch=16",
+                   "train.micro_batch=16", world_size=1)
+    setup(cfg)
+    eng = engine.build_engine(build_vit(width=16, depth=1, heads=2, mlp_dim=32, patch=4, img_size=8,
+                                        num_classes=3), cfg)
+    bound = datetime.timedelta(seconds=77)
+    groups = list(dist.distributed_c10d._world.pg_map)
+    assert eng.seq_data_parallel_group in groups and eng.seq_data_parallel_group is not dist.group.WORLD
+    assert [g._get_backend(torch.device("cpu")).options._timeout for g in groups] == [bound] * len(groups)
+    assert dist.distributed_c10d._get_default_store().timeout == bound
+
+
 def _sgd_step(model, groups, x, y, lr):
     """One SGD step through DeepSpeed ZeRO-1 (no clipping, no decay) → (update, gradient) per parameter
     name; the gradient comes from an untouched copy of the model, so nothing is read from the engine."""

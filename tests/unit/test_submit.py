@@ -78,6 +78,17 @@ def test_resources_merge_order_and_checks(tmp_path):
         check_cluster(load_submit_config(TINY, ["cluster.gpus_per_node=4"]), "local")
 
 
+def test_per_task_gpu_binding_is_warned_about(capsys):
+    """Each task bound to its own GPU can cost NVLink (NVIDIA/nccl#1066); vitp's default does not."""
+    check_cluster(load_submit_config(TINY, ["cluster.gpus_per_node=2"]), "local")
+    assert capsys.readouterr().err == ""
+    check_cluster(load_submit_config(TINY, ["cluster.gpus_per_node=2", "cluster.extra_sbatch={gpus-per-task: '1'}"]),
+                  "local")
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("warning: cluster.extra_sbatch.gpus-per-task: each task sees only its own GPU;")
+    assert "NVLink" in err and "\n" not in err
+
+
 def test_parse_sweep(tmp_path):
     assert parse_sweep([]) == []
     assert parse_sweep(["optim.lr=1e-3,3e-4", "train.steps=10,20"]) == [
@@ -263,7 +274,7 @@ def test_rendezvous_port_clash_is_a_clear_error():
         assert not port_free(port)
         t0 = time.monotonic()
         with pytest.raises(RendezvousError, match=f"rendezvous port {port} .* already in use"):
-            init_process_group(DistEnv(rank=0, world_size=2, master_port=port), "gloo", timeout_s=30)
+            init_process_group(DistEnv(rank=0, world_size=2, master_port=port), "gloo", rendezvous_s=30)
         assert time.monotonic() - t0 < 5
 
 
@@ -271,7 +282,7 @@ RANK0_ALONE = """
 import sys
 from pipeline.distributed import DistEnv, RendezvousError, init_process_group
 try:
-    init_process_group(DistEnv(rank=0, world_size=2, master_port=int(sys.argv[1])), "gloo", timeout_s=2)
+    init_process_group(DistEnv(rank=0, world_size=2, master_port=int(sys.argv[1])), "gloo", rendezvous_s=2)
 except RendezvousError as e:
     print("ERR", e)
 """
@@ -284,7 +295,7 @@ def test_missing_rank_times_out_with_message():
                        cwd=ROOT, timeout=120)
     line = next(x for x in r.stdout.splitlines() if x.startswith("ERR"))
     assert "rank 0/2: rendezvous at 127.0.0.1" in line and "waiting for the other ranks" in line
-    assert "engine.dist_timeout_s" in line
+    assert "engine.rendezvous_timeout_s" in line
     assert time.monotonic() - t0 < 60  # 2 s limit + interpreter start, nowhere near a hang
 
 
@@ -294,7 +305,7 @@ import torch
 import torch.distributed as dist
 from pipeline.distributed import DistEnv, init_process_group, leave_process_group
 rank, port = int(sys.argv[1]), int(sys.argv[2])
-assert init_process_group(DistEnv(rank=rank, world_size=2, master_port=port), "gloo", timeout_s=60)
+assert init_process_group(DistEnv(rank=rank, world_size=2, master_port=port), "gloo", rendezvous_s=60)
 t = torch.tensor([rank + 1.0])
 dist.all_reduce(t)
 leave_process_group()

@@ -80,9 +80,27 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "checkpoint": {"load_universal": load_universal},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
+        **_quiet_step(),
     }
+
+
+def _quiet_step() -> dict:
+    """What keeps DeepSpeed's own bookkeeping from waiting for the device in a step (deepspeed 0.19.8).
+
+    - ``timers.throughput``: on by default, it calls the accelerator's ``synchronize()`` in every
+      forward and every ``step()`` from the third step on (utils/timer.py, ThroughputTimer.start/stop):
+      two host syncs per micro batch. vitp measures throughput itself, on host clocks, at the log
+      interval (pipeline/train/periodic.py).
+    - ``wall_clock_breakdown``, ``memory_breakdown``, ``flops_profiler``, ``comms_logger``: their timers,
+      memory reports and profiles synchronise too; all are off (DeepSpeed's defaults, said here so the
+      generated JSON shows it).
+    - ``steps_per_print``: DeepSpeed's progress line (lr and skipped steps) never comes.
+    The syncs left in a plain step are DeepSpeed's gradient clipping and ZeRO's reduction; the README's
+    GPU section lists them with their source lines.
+    """
+    return {"timers": {"throughput": {"enabled": False, "synchronized": False}}, "wall_clock_breakdown": False,
+            "memory_breakdown": False, "flops_profiler": {"enabled": False}, "comms_logger": {"enabled": False},
+            "steps_per_print": 10**9}
 
 
 def _precision(precision: str, zero_stage: int) -> dict:

@@ -16,10 +16,11 @@
 What differs between stages comes in through the builder (the model, its parameter groups) and
 ``finish`` (what happens to the final model); the loop never asks which stage it runs, nor reads cfg.
 
-GPU habits: a step makes no host<->device sync except at ``train.log_every`` (and at steps where
-other periodic work is due, which sync anyway): the stop/non-finite flags are all-reduced on the
-device every step and read one step later, when that all-reduce has long finished; batches are copied from pinned memory
-without blocking. Rank-0-only work happens after the last collective of the run.
+GPU habits: the loop itself reads nothing from the device except at ``train.log_every`` (and at steps
+where other periodic work is due, which sync anyway): the stop/non-finite flags are all-reduced on the
+device every step and read one step later, when that all-reduce has long finished; batches are copied
+from pinned memory without blocking. DeepSpeed's gradient clipping still syncs (the README's GPU
+section lists each sync a plain step makes). Rank-0-only work happens after the last collective of the run.
 """
 
 from __future__ import annotations

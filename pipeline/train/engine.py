@@ -91,15 +91,16 @@ def _quiet_step() -> dict:
       forward and every ``step()`` from the third step on (utils/timer.py, ThroughputTimer.start/stop):
       two host syncs per micro batch. vitp measures throughput itself, on host clocks, at the log
       interval (pipeline/train/periodic.py).
-    - ``wall_clock_breakdown``, ``memory_breakdown``, ``flops_profiler``, ``comms_logger``: their timers,
-      memory reports and profiles synchronise too; all are off (DeepSpeed's defaults, said here so the
-      generated JSON shows it).
+    - ``wall_clock_breakdown``, ``memory_breakdown``, ``flops_profiler``: their timers, memory reports and
+      profiles synchronise too; all are off (DeepSpeed's defaults, said here so the generated JSON shows
+      it). No ``comms_logger`` section at all: its mere presence turns the logger on, whatever its
+      ``enabled`` says (comm/config.py), and it synchronises after every collective (comm/comm.py).
     - ``steps_per_print``: DeepSpeed's progress line (lr and skipped steps) never comes.
     The syncs left in a plain step are DeepSpeed's gradient clipping and ZeRO's reduction; the README's
     GPU section lists them with their source lines.
     """
     return {"timers": {"throughput": {"enabled": False, "synchronized": False}}, "wall_clock_breakdown": False,
-            "memory_breakdown": False, "flops_profiler": {"enabled": False}, "comms_logger": {"enabled": False},
+            "memory_breakdown": False, "flops_profiler": {"enabled": False},
             "steps_per_print": 10**9}
 
 

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import glob
 import io
+import math
 import os
 import re
 
@@ -117,11 +118,17 @@ def _precision(precision: str, zero_stage: int) -> dict:
       overflow to detect; the check costs an all-reduce and a ``.item()`` (host sync) every step at
       ZeRO-1/2. (``check_overflow``, also in deepspeed's constants.py, is read nowhere, and the bf16
       section forbids unknown keys.) A non-finite loss still stops the run (pipeline/train/loop.py).
+    - ``communication_data_type: fp32``: gradients are reduced over the ranks in fp32 (DeepSpeed's
+      default is the model dtype: a bf16 all-reduce or reduce-scatter rounds each partial sum to 8
+      bits of mantissa at every hop of the ring, 127-255 times over 128-256 ranks), as Megatron-LM and
+      torchtitan do for bf16 training. Accepted at every stage (0: cast around the all-reduce; 1:
+      BF16_Optimizer's fp32 buffer goes as it is; 2-3: the reduce-scatter buckets).
     - ``bf16.immediate_grad_update: true``: BF16_Optimizer adds each gradient into the fp32 buffer
       from a hook as soon as it is produced and frees the bf16 one, instead of one pass over every
       parameter after backward with both copies alive.
     """
     out: dict = {
+        "communication_data_type": "fp32",
         "bf16": {"enabled": precision == "bf16", "immediate_grad_update": True, "check_grad_overflow": False},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
@@ -234,6 +241,20 @@ def grad_norm(engine) -> float:
     """Global grad norm of the last optimizer step (before clipping); nan if unknown."""
     n = engine.get_global_grad_norm()
     return float(n) if n is not None else float("nan")
+
+
+def nonfinite_grad_norm(engine, device) -> torch.Tensor:
+    """1.0 (a float32 scalar on ``device``) if the last optimizer step's gradient norm was not finite,
+    else 0.0, without a host sync: the loop all-reduces it with the next step's flags.
+
+    deepspeed 0.19.8 keeps the norm as a device tensor at ZeRO-1..3 (inf, or its -1 sentinel, when not
+    finite), as the Python float inf where it skipped the step (fp32/fp16 overflow, bf16 ZeRO-1), and
+    has none at stage 0 (never flagged)."""
+    n = engine.get_global_grad_norm()
+    if torch.is_tensor(n):
+        return (~torch.isfinite(n) | (n < 0)).to(device=device, dtype=torch.float32).reshape(())
+    bad = n is not None and not (math.isfinite(n) and n >= 0)
+    return torch.full((), float(bad), dtype=torch.float32, device=device)
 
 
 def input_dtype(cfg) -> torch.dtype:

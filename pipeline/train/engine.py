@@ -121,8 +121,9 @@ def _precision(precision: str, zero_stage: int) -> dict:
     - ``communication_data_type: fp32``: gradients are reduced over the ranks in fp32 (DeepSpeed's
       default is the model dtype: a bf16 all-reduce or reduce-scatter rounds each partial sum to 8
       bits of mantissa at every hop of the ring, 127-255 times over 128-256 ranks), as Megatron-LM and
-      torchtitan do for bf16 training. Accepted at every stage (0: cast around the all-reduce; 1:
-      BF16_Optimizer's fp32 buffer goes as it is; 2-3: the reduce-scatter buckets).
+      torchtitan do for bf16 training. Accepted with a bf16 model at stages 0-2 (run on 2 gloo ranks; 0:
+      cast around the all-reduce; 1: BF16_Optimizer's fp32 buffer goes as it is; 2: the buckets) and
+      read in zero/stage3.py for 3 (the reduce-scatter casts to it and back to the accumulation dtype).
     - ``bf16.immediate_grad_update: true``: BF16_Optimizer adds each gradient into the fp32 buffer
       from a hook as soon as it is produced and frees the bf16 one, instead of one pass over every
       parameter after backward with both copies alive.

@@ -269,13 +269,13 @@ def test_non_finite_loss_exits_1_and_saves_nothing(tmp_path, capfd):
 def test_a_slow_loader_shows_in_data_wait_and_is_warned_about(tmp_path, capfd):
     """Every fetch held 0.5 s (the test seam): each record's data_wait, the share of its window's wall time
     spent fetching, is over 10%, and the log and the run's last line say so."""
-    assert pretrain(tmp_path, "train.steps=4", "train.log_every=2", "train.global_batch=16", "model.depth=1",
-                    nprocs=1, env={"VITP_TEST_SLOW_BATCH_S": "0.5"}) == 0
+    assert pretrain(tmp_path, "train.steps=2", "train.log_every=1", "train.global_batch=16", "model.depth=1",
+                    "data.path=synthetic:train=64,val=16", nprocs=1, env={"VITP_TEST_SLOW_BATCH_S": "0.5"}) == 0
     waits = [r["data_wait"] for r in metrics(tmp_path) if "loss" in r]
     assert len(waits) == 2 and all(0.1 < w <= 1.0 for w in waits), waits
     out = capfd.readouterr().out
     assert out.count("of the training time went to waiting for the next batch (over 10%)") == 1
-    assert "pretrain completed at step 4; waited for data " in out and "(warning: over 10%" in out
+    assert "pretrain completed at step 2; waited for data " in out and "(warning: over 10%" in out
 
 
 def test_non_finite_gradient_norm_on_one_rank_stops_before_saving(tmp_path, capfd):

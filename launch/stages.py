@@ -60,8 +60,21 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
         result = fn(cfg)
     finally:
         leave_process_group()
-    rank0_print(f"{command} {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else ""))
+    rank0_print(f"{command} {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else "")
+                + _data_wait_summary(getattr(result, "data_wait", None)))
     return 143 if result.status == "stopped" else 0
+
+
+def _data_wait_summary(data_wait: float | None) -> str:
+    """'; waited for data 3% of the training time', and why it matters when over 10%."""
+    from pipeline.train.periodic import DATA_WAIT_WARN
+
+    if data_wait is None:
+        return ""
+    out = f"; waited for data {data_wait:.0%} of the training time"
+    if data_wait > DATA_WAIT_WARN:
+        out += f" (warning: over {DATA_WAIT_WARN:.0%}: the loader is the bottleneck)"
+    return out
 
 
 def pretrain_main(argv: list[str]) -> int:

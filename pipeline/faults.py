@@ -14,6 +14,12 @@ torch, so data_prep (torch-free) calls it too. Events and their variables (value
 
 The training events kill only rank VITP_TEST_KILL_RANK (default 1; the ``RANK`` the launcher set).
 
+Slow loader, :func:`slow_batch`: VITP_TEST_SLOW_BATCH_S=s holds every fetch of a training batch s seconds
+on every rank (a loader that cannot keep up).
+
+Inf gradient, :func:`poison_grad`: VITP_TEST_INF_GRAD_AT_STEP=k makes step k's loss back-propagate an inf
+gradient on rank VITP_TEST_KILL_RANK (its value stays finite), as an overflow in one rank's backward would.
+
 Pause gate, event "step": VITP_TEST_PAUSE_AT_STEP=k[,k2...] (0: before the stage starts, see
 launch/preempt.py) with VITP_TEST_PAUSE_FILE=P holds every rank before step k. Each rank writes
 ``P.k.reached.<rank>``, then waits until ``P.k`` exists (at most VITP_TEST_PAUSE_TIMEOUT_S, default
@@ -36,6 +42,8 @@ KILL_DURING_SAVE = "VITP_TEST_KILL_DURING_SAVE"
 KILL_DURING_FEWSHOT = "VITP_TEST_KILL_DURING_FEWSHOT"
 KILL_RANK = "VITP_TEST_KILL_RANK"
 PREP_KILL_AT = "VITP_PREP_TEST_KILL_AT"
+INF_GRAD_AT_STEP = "VITP_TEST_INF_GRAD_AT_STEP"
+SLOW_BATCH_S = "VITP_TEST_SLOW_BATCH_S"
 PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
 PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
 PAUSE_TIMEOUT_S = "VITP_TEST_PAUSE_TIMEOUT_S"
@@ -57,6 +65,22 @@ def hit(event: str, at: int, scope: str = "") -> None:
     if event in _RANKED and int(os.environ.get("RANK", 0)) != int(os.environ.get(KILL_RANK, 1)):
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_batch() -> None:
+    """The seam where the training loop fetches a batch: held VITP_TEST_SLOW_BATCH_S seconds."""
+    delay = os.environ.get(SLOW_BATCH_S)
+    if delay:
+        time.sleep(float(delay))  # the fault itself (a slow loader), not a wait for anything
+
+
+def poison_grad(step: int, loss) -> None:
+    """The seam in a training step: ``loss`` (a scalar tensor) of step ``step`` gets an inf gradient here
+    when VITP_TEST_INF_GRAD_AT_STEP asks for it on this rank."""
+    want = os.environ.get(INF_GRAD_AT_STEP)
+    if want is None or int(want) != step or int(os.environ.get("RANK", 0)) != int(os.environ.get(KILL_RANK, 1)):
+        return
+    loss.register_hook(lambda grad: grad * float("inf"))
 
 
 def _pause(step: int) -> None:

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import glob
 import io
+import math
 import os
 import re
 
@@ -80,9 +81,28 @@ def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> d
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "checkpoint": {"load_universal": load_universal},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
+        **_quiet_step(),
     }
+
+
+def _quiet_step() -> dict:
+    """What keeps DeepSpeed's own bookkeeping from waiting for the device in a step (deepspeed 0.19.8).
+
+    - ``timers.throughput``: on by default, it calls the accelerator's ``synchronize()`` in every
+      forward and every ``step()`` from the third step on (utils/timer.py, ThroughputTimer.start/stop):
+      two host syncs per micro batch. vitp measures throughput itself, on host clocks, at the log
+      interval (pipeline/train/periodic.py).
+    - ``wall_clock_breakdown``, ``memory_breakdown``, ``flops_profiler``: their timers, memory reports and
+      profiles synchronise too; all are off (DeepSpeed's defaults, said here so the generated JSON shows
+      it). No ``comms_logger`` section at all: its mere presence turns the logger on, whatever its
+      ``enabled`` says (comm/config.py), and it synchronises after every collective (comm/comm.py).
+    - ``steps_per_print``: DeepSpeed's progress line (lr and skipped steps) never comes.
+    The syncs left in a plain step are DeepSpeed's gradient clipping and ZeRO's reduction; the README's
+    GPU section lists them with their source lines.
+    """
+    return {"timers": {"throughput": {"enabled": False, "synchronized": False}}, "wall_clock_breakdown": False,
+            "memory_breakdown": False, "flops_profiler": {"enabled": False},
+            "steps_per_print": 10**9}
 
 
 def _precision(precision: str, zero_stage: int) -> dict:
@@ -98,11 +118,18 @@ def _precision(precision: str, zero_stage: int) -> dict:
       overflow to detect; the check costs an all-reduce and a ``.item()`` (host sync) every step at
       ZeRO-1/2. (``check_overflow``, also in deepspeed's constants.py, is read nowhere, and the bf16
       section forbids unknown keys.) A non-finite loss still stops the run (pipeline/train/loop.py).
+    - ``communication_data_type: fp32``: gradients are reduced over the ranks in fp32 (DeepSpeed's
+      default is the model dtype: a bf16 all-reduce or reduce-scatter rounds each partial sum to 8
+      bits of mantissa at every hop of the ring, 127-255 times over 128-256 ranks), as Megatron-LM and
+      torchtitan do for bf16 training. Accepted with a bf16 model at stages 0-2 (run on 2 gloo ranks; 0:
+      cast around the all-reduce; 1: BF16_Optimizer's fp32 buffer goes as it is; 2: the buckets) and
+      read in zero/stage3.py for 3 (the reduce-scatter casts to it and back to the accumulation dtype).
     - ``bf16.immediate_grad_update: true``: BF16_Optimizer adds each gradient into the fp32 buffer
       from a hook as soon as it is produced and frees the bf16 one, instead of one pass over every
       parameter after backward with both copies alive.
     """
     out: dict = {
+        "communication_data_type": "fp32",
         "bf16": {"enabled": precision == "bf16", "immediate_grad_update": True, "check_grad_overflow": False},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
@@ -216,6 +243,20 @@ def grad_norm(engine) -> float:
     """Global grad norm of the last optimizer step (before clipping); nan if unknown."""
     n = engine.get_global_grad_norm()
     return float(n) if n is not None else float("nan")
+
+
+def nonfinite_grad_norm(engine, device) -> torch.Tensor:
+    """1.0 (a float32 scalar on ``device``) if the last optimizer step's gradient norm was not finite,
+    else 0.0, without a host sync: the loop all-reduces it with the next step's flags.
+
+    deepspeed 0.19.8 keeps the norm as a device tensor at ZeRO-1..3 (inf, or its -1 sentinel, when not
+    finite), as the Python float inf where it skipped the step (fp32/fp16 overflow, bf16 ZeRO-1), and
+    has none at stage 0 (never flagged)."""
+    n = engine.get_global_grad_norm()
+    if torch.is_tensor(n):
+        return (~torch.isfinite(n) | (n < 0)).to(device=device, dtype=torch.float32).reshape(())
+    bad = n is not None and not (math.isfinite(n) and n >= 0)
+    return torch.full((), float(bad), dtype=torch.float32, device=device)
 
 
 def input_dtype(cfg) -> torch.dtype:

@@ -6,7 +6,8 @@
     each step:
         forward_backward   over the micro batches; loss and top-1 (precision@1 on multi-label data)
                            accumulate on the device
-        agree              one small all-reduce: any rank asked to stop / saw a non-finite loss
+        agree              one small all-reduce: any rank asked to stop / saw a non-finite loss; the
+                           step before had a non-finite gradient norm (known after its update)
         optimizer_step     clip + update (DeepSpeed), EMA
         periodic tasks     the due ones of one list, in order (pipeline/train/periodic.py): training
                            log, validation, the caller's tasks, checkpoint, few-shot evaluators; their
@@ -16,10 +17,11 @@
 What differs between stages comes in through the builder (the model, its parameter groups) and
 ``finish`` (what happens to the final model); the loop never asks which stage it runs, nor reads cfg.
 
-GPU habits: a step makes no host<->device sync except at ``train.log_every`` (and at steps where
-other periodic work is due, which sync anyway): the stop/non-finite flags are all-reduced on the
-device every step and read one step later, when that all-reduce has long finished; batches are copied from pinned memory
-without blocking. Rank-0-only work happens after the last collective of the run.
+GPU habits: the loop itself reads nothing from the device except at ``train.log_every`` (and at steps
+where other periodic work is due, which sync anyway): the stop/non-finite flags are all-reduced on the
+device every step and read one step later, when that all-reduce has long finished; batches are copied
+from pinned memory without blocking. DeepSpeed's gradient clipping still syncs (the README's GPU
+section lists each sync a plain step makes). Rank-0-only work happens after the last collective of the run.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Result:
     reason: str | None = None
     loss: float | None = None  # mean loss of the last logged window
     val_top1: float | None = None
+    data_wait: float | None = None  # share of this job's training time spent waiting for batches
     weights: str | None = None  # RUN_DIR/model.safetensors when completed
     mlflow_run_id: str | None = None
 
@@ -74,22 +77,26 @@ class Finished:
 # --------------------------------------------------------------------------------------------------
 class Agreement:
     """Per step, whether any rank asked to stop (2: requeue, which wins over 1: any other reason,
-    e.g. cancel) and whether any rank saw a non-finite loss: one [2] all-reduce (max) on the device.
+    e.g. cancel), whether any rank saw a non-finite loss, and whether the optimizer step before had a
+    non-finite gradient norm: one [3] all-reduce (max) on the device.
 
     ``post`` starts step t's all-reduce without waiting; ``read`` returns the agreed flags of every
     posted step. ``lag=True`` leaves the newest posted step unread (it is read next time, after the
     next step's work is queued, so the host never waits for the GPU); every rank reads the same
-    steps at the same points, so all decide alike.
+    steps at the same points, so all decide alike. The gradient norm of step t is known only after
+    its ``engine.step()``: it travels with step t + 1's flags, or with :meth:`settle` before a save.
     """
 
     def __init__(self, device):
         self.device = device
         self.pending: list[tuple[int, torch.Tensor, object]] = []  # (step, flags, copy-done event)
 
-    def post(self, step: int, asked: str | None, loss_sum: torch.Tensor) -> None:
+    def post(self, step: int, asked: str | None, loss_sum: torch.Tensor, norm_bad: torch.Tensor) -> None:
+        """Step ``step``'s flags; ``norm_bad``: 1.0 on the device if step ``step`` - 1's gradient norm was
+        not finite (:func:`pipeline.train.engine.nonfinite_grad_norm`)."""
         code = 0.0 if asked is None else 2.0 if asked == "requeue" else 1.0
         flags = torch.stack([torch.full((), code, dtype=torch.float32, device=self.device),
-                             (~torch.isfinite(loss_sum)).to(torch.float32)])
+                             (~torch.isfinite(loss_sum)).to(torch.float32), norm_bad.to(torch.float32)])
         flags = all_reduce(flags, "max")
         done = None
         if flags.device.type == "cuda":  # copy back now, read later: no wait in the step
@@ -98,17 +105,26 @@ class Agreement:
             done.record()
         self.pending.append((step, flags, done))
 
-    def read(self, *, lag: bool) -> tuple[float, int | None]:
-        """(stop code, first step with a non-finite loss or None) over the steps read now."""
+    def settle(self, step: int, norm_bad: torch.Tensor) -> tuple[float, tuple[int, str] | None]:
+        """Everything posted, and step ``step``'s own gradient norm, read now (before a checkpoint of
+        ``step``: no save follows an update made with a non-finite norm). A host sync: only where one
+        happens anyway."""
+        self.post(step + 1, None, torch.zeros((), device=self.device), norm_bad)
+        return self.read(lag=False)
+
+    def read(self, *, lag: bool) -> tuple[float, tuple[int, str] | None]:
+        """(stop code, the first (step, "loss" | "gradient norm") that was not finite, or None) over the
+        steps read now."""
         ready, self.pending = (self.pending[:-1], self.pending[-1:]) if lag else (self.pending, [])
         stop, bad = 0.0, None
         for step, flags, done in ready:
             if done is not None:
                 done.synchronize()  # queued a step ago: waits for that step's copy, not for this step
-            code, nonfinite = flags.tolist()
+            code, loss_bad, norm_bad = flags.tolist()
             stop = max(stop, code)
-            if nonfinite and bad is None:
-                bad = step
+            for at, what, flag in ((step - 1, "gradient norm", norm_bad), (step, "loss", loss_bad)):
+                if flag and bad is None:
+                    bad = (at, what)
         return stop, bad
 
 
@@ -153,23 +169,25 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
     after_save = periodic[periodic.index(checkpoints) + 1:]
     log, agree = MetricsLog(tracker), Agreement(device)
 
-    def check(lag: bool) -> float:
-        """The agreed stop code; raises NonFiniteLoss (on every rank alike) before anything is saved."""
-        stop, bad = agree.read(lag=lag)
+    def check(lag: bool, settle: bool = False) -> float:
+        """The agreed stop code; raises NonFiniteLoss (on every rank alike) before anything is saved.
+        ``settle``: also this step's gradient norm (before a checkpoint; a host sync)."""
+        stop, bad = agree.settle(step, norm_bad) if settle else agree.read(lag=lag)
         if bad is not None:
+            at, what = bad
             tracker.close(status="FAILED", timeout=10.0)
-            raise NonFiniteLoss(f"step {bad}: non-finite loss (lr {run.schedule(bad - 1):.3g}); stopped before saving "
+            raise NonFiniteLoss(f"step {at}: non-finite {what} (lr {run.schedule(at - 1):.3g}); stopped before saving "
                                 f"it; last complete checkpoint: {ckpt_lib.latest_checkpoint(run.run_dir) or 'none'}")
         return stop
 
     def stopped(stop: float) -> Result:
         """Checkpoint ``step`` and hand the run back (a requeued job continues it)."""
-        stop = max(stop, check(lag=False))  # every rank reads every posted step before agreeing
+        stop = max(stop, check(lag=False, settle=True))  # every rank reads every posted step before agreeing
         reason = "requeue" if stop == 2 else (stopping.stop_reason() or "cancel")
         rank0_print(f"stopping at step {step} ({reason}); checkpoint {checkpoints.save(step)}")
         tracker.close(timeout=min(run.close_timeout, 10.0))
         return Result("stopped", step, str(run.run_dir), reason=reason, loss=train_log.last.get("loss"),
-                      mlflow_run_id=tracker.run_id)
+                      data_wait=train_log.data_wait, mlflow_run_id=tracker.run_id)
 
     def forward_backward(batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """accum micro batches of optimizer step ``step`` + 1; DeepSpeed averages and reduces the gradients.
@@ -183,6 +201,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
             keep = drops.keep(step, m, len(labels))  # None: every patch
             logits = (engine(x.to(dtype)) if keep is None else engine(x.to(dtype), keep=keep)).float()
             loss = run.loss(logits, targets)
+            faults.poison_grad(step + 1, loss)
             engine.backward(loss)
             if m < accum - 1:
                 engine.step()  # not a boundary: DeepSpeed only counts the micro step
@@ -191,7 +210,8 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
                                  torch.full((), float(n), dtype=torch.float64, device=device)])
         return sums, images
 
-    stop, batches = 0.0, loader.forever()
+    stop, batches = 0.0, train_log.timed(loader.forever())  # the log's clock times each fetch
+    norm_bad = torch.zeros((), device=device)  # the last optimizer step's gradient norm was not finite
     images = None  # the last batch: its first images feed the attention figures at the end
     engine.train()
     for task in after_save:  # a resumed run whose evaluators a stop or a kill cut short
@@ -203,9 +223,10 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
         sync = any(task.due(step + 1) for task in periodic)  # these steps wait for the device anyway
 
         step_sums, images = forward_backward(batches, step)
-        agree.post(step + 1, stopping.stop_reason(), step_sums[0])
+        agree.post(step + 1, stopping.stop_reason(), step_sums[0], norm_bad)
         stop = max(stop, check(lag=not sync))  # a non-finite loss stops before this optimizer step
         engine.step()  # the boundary: clip, optimizer update
+        norm_bad = eng_lib.nonfinite_grad_norm(engine, device)  # read with the next step's flags
         if run.ema is not None:
             run.ema.update(engine.module)
         step += 1
@@ -218,6 +239,8 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
                 record = {}
                 if stop:
                     return stopped(stop)
+                if task.due(step):  # this step's update followed a finite gradient norm: then save it
+                    check(lag=False, settle=True)
             if task.due(step):
                 record.update(task.run(step))
                 ran = True
@@ -227,6 +250,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
 
     # the end: final checkpoint, final eval, consolidated fp32 weights, artifacts
     if checkpoints.saved_at != step:
+        check(lag=False, settle=True)
         checkpoints.save(step)
     if validation.enabled and validation.last is None:  # none ran in this job: once at the end
         log.write(step, validation.run(step))
@@ -234,7 +258,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
     weights = run_dir / "model.safetensors"
     result = Result("completed", step, str(run_dir), loss=train_log.last.get("loss"),
                     val_top1=(validation.last or {}).get("val_top1"), weights=str(weights),
-                    mlflow_run_id=tracker.run_id)
+                    data_wait=train_log.data_wait, mlflow_run_id=tracker.run_id)
     # rank 0's work below reads files, not the group: no rank waits inside a collective meanwhile
     if run.rank == 0:
         sd, model_config = ckpt_lib.read_weights(checkpoints.path(step))

@@ -5,7 +5,8 @@ A :class:`Periodic` task has a ``name``, says whether it is ``due(step)`` and ``
 its metrics (rank 0's count; {} elsewhere). The loop runs, after each optimizer step, the due tasks
 of one list in order:
 
-    TrainLog        the training window's loss, top-1, lr, throughput, MFU  (every train.log_every)
+    TrainLog        the training window's loss, top-1, lr, throughput, MFU,  (every train.log_every)
+                    data_wait
     Validation      loss and top-1 on the val split                          (every train.eval_every)
     ...             tasks the caller adds (build_run(tasks=...))
     CheckpointManager  (pipeline/train/checkpoint.py): saves                 (every checkpoint.every)
@@ -19,14 +20,17 @@ must remember which steps they did (their state) to be re-run safely.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
 
-from pipeline.distributed import all_reduce, rank0_print
+from pipeline import faults
+from pipeline.distributed import all_reduce, rank0_print, rank_world
 from pipeline.eval.classify import classify, classify_multilabel
 from pipeline.train import engine as eng_lib
+
+DATA_WAIT_WARN = 0.1  # a run waiting longer than this share of its training time for batches says so
 
 
 class Periodic(Protocol):
@@ -60,12 +64,16 @@ class Window:
         self.sums += step_sums
         self.steps += 1
 
-    def reduce(self) -> tuple[float, float, int]:
-        """All ranks' (mean loss, top-1, samples); the one host sync of a logging step. Resets."""
-        loss, hits, n = all_reduce(self.sums).tolist()
+    def reduce(self, wait: float = 0.0) -> tuple[float, float, int, float]:
+        """All ranks' (mean loss, top-1, samples, the largest of their ``wait``: this rank's share of the
+        window spent waiting for batches); one all-reduce, the one host sync of a logging step. Resets."""
+        rank, world = rank_world()
+        waits = torch.zeros(world, dtype=torch.float64, device=self.sums.device)
+        waits[rank] = wait  # a fill on the device: each rank's value in its own slot, summed = gathered
+        loss, hits, n, *each = all_reduce(torch.cat([self.sums, waits])).tolist()
         self.sums.zero_()
         self.steps = 0
-        return loss / max(n, 1.0), hits / max(n, 1.0), int(n)
+        return loss / max(n, 1.0), hits / max(n, 1.0), int(n), max(each)
 
     def state_dict(self) -> dict:
         return {"sums": self.sums.tolist(), "steps": self.steps}
@@ -92,24 +100,50 @@ class TrainLog:
         self.flops, self.hit_key = flops, hit_key  # flops: model FLOPs of a step, by whether it drops patches
         self.peak_flops = peak_flops  # one rank's accelerator, FLOP/s (hardware.peak_tflops)
         self.last: dict = {}  # the newest record
+        self.wait_total = self.time_total = 0.0  # seconds waited for batches / trained, over logged windows
+        self.warned = False
         self.restart()
 
     def restart(self) -> None:
         self.t0 = time.perf_counter()
+        self.waited = 0.0  # seconds this rank waited for its next batch since t0
+
+    def timed(self, batches: Iterator) -> Iterator:
+        """``batches``, with the time each ``next`` takes added to the window's wait (host clocks only:
+        no device sync; the batch's copy to the GPU is queued after it)."""
+        while True:
+            t = time.perf_counter()
+            faults.slow_batch()
+            batch = next(batches)
+            self.waited += time.perf_counter() - t
+            yield batch
+
+    @property
+    def data_wait(self) -> float | None:
+        """The run's share of training time spent waiting for batches (on the slowest rank of each
+        window), over the windows logged so far in this job; None before the first."""
+        return self.wait_total / self.time_total if self.time_total else None
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.steps
 
     def run(self, step: int) -> dict:
         drops, n = self.drops, self.window.steps
-        loss, top1, _ = self.window.reduce()
-        dt = (time.perf_counter() - self.t0) / max(n, 1)
+        elapsed = time.perf_counter() - self.t0
+        loss, top1, _, data_wait = self.window.reduce(min(self.waited / elapsed, 1.0) if elapsed > 0 else 0.0)
+        self.wait_total, self.time_total = self.wait_total + data_wait * elapsed, self.time_total + elapsed
+        if data_wait > DATA_WAIT_WARN and not self.warned:
+            self.warned = True
+            rank0_print(f"warning: step {step}: {data_wait:.0%} of the training time went to waiting for the next "
+                        f"batch (over {DATA_WAIT_WARN:.0%}): the loader is the bottleneck; more data.workers, or "
+                        "faster storage for data.path")
+        dt = elapsed / max(n, 1)
         window_flops = sum(self.flops[drops.active(s)] for s in range(step - n, step))
         lr = self.schedule(step - 1)  # the rate step ``step`` trained with
         record = {"loss": loss, self.hit_key: top1, "lr": lr, "grad_norm": eng_lib.grad_norm(self.engine),
                   "images_per_s": self.global_batch / dt, "step_s": dt,
                   "mfu": window_flops / max(n, 1) / dt / self.peak_flops,
-                  "skipped": int(sum(self.loader.skipped.values())), **memory_gb(),
+                  "data_wait": data_wait, "skipped": int(sum(self.loader.skipped.values())), **memory_gb(),
                   **self.loader.read_stats()}
         if drops.drop:  # the fraction this window's last step dropped (0 after train.patch_drop_until)
             record["patch_drop"] = drops.drop if drops.active(step - 1) else 0.0

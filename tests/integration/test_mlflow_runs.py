@@ -160,7 +160,7 @@ def test_system_metrics_and_no_time_metric(chain):
         assert run["metrics"]["system/cpu_utilization_percentage"] >= 0.0, stage
         assert run["metrics"]["system/system_memory_usage_megabytes"] > 0.0, stage
     pre = chain["runs"]["pretrain"]
-    assert {"loss", "top1", "lr", "images_per_s", "step_s"} <= set(pre["metrics"])
+    assert {"loss", "top1", "lr", "images_per_s", "step_s", "data_wait"} <= set(pre["metrics"])
 
 
 @pytest.mark.slow

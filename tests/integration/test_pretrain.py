@@ -115,8 +115,9 @@ def test_zero2_trains_and_writes_outputs(reference):
     assert (d / "checkpoints/LATEST").read_text().strip() == "step-00000006"
     assert not (d / "checkpoints/latest").exists()  # DeepSpeed's unsafe pointer is not written
     rec = metrics(d)[0]
-    for key in ("lr", "grad_norm", "images_per_s", "mfu", "skipped", "rss_gb", "top1"):
+    for key in ("lr", "grad_norm", "images_per_s", "mfu", "skipped", "rss_gb", "top1", "data_wait"):
         assert key in rec
+    assert all(0.0 <= r["data_wait"] <= 1.0 for r in metrics(d) if "loss" in r)
 
 
 def key_bias(name: str, t: torch.Tensor) -> slice | None:
@@ -262,6 +263,29 @@ def test_non_finite_loss_exits_1_and_saves_nothing(tmp_path, capfd):
     assert "error: step 2: non-finite loss (lr 1e+30)" in err and "last complete checkpoint: none" in err
     assert losses(tmp_path) == {1: pytest.approx(10 * math.log(2), rel=1e-6)}
     assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_slow_loader_shows_in_data_wait_and_is_warned_about(tmp_path, capfd):
+    """Every fetch held 0.5 s (the test seam): each record's data_wait, the share of its window's wall time
+    spent fetching, is over 10%, and the log and the run's last line say so."""
+    assert pretrain(tmp_path, "train.steps=2", "train.log_every=1", "train.global_batch=16", "model.depth=1",
+                    "data.path=synthetic:train=64,val=16", nprocs=1, env={"VITP_TEST_SLOW_BATCH_S": "0.5"}) == 0
+    waits = [r["data_wait"] for r in metrics(tmp_path) if "loss" in r]
+    assert len(waits) == 2 and all(0.1 < w <= 1.0 for w in waits), waits
+    out = capfd.readouterr().out
+    assert out.count("of the training time went to waiting for the next batch (over 10%)") == 1
+    assert "pretrain completed at step 2; waited for data " in out and "(warning: over 10%" in out
+
+
+def test_non_finite_gradient_norm_on_one_rank_stops_before_saving(tmp_path, capfd):
+    """An inf gradient on rank 1 at step 4 (finite loss): DeepSpeed's norm of step 4 is not finite, which the
+    ranks agree on before step 4's checkpoint: exit 1, the step-2 checkpoint the last one, no weights."""
+    assert pretrain(tmp_path, "train.steps=4", env={"VITP_TEST_INF_GRAD_AT_STEP": "4"}) == 1
+    err = capfd.readouterr().err
+    assert "error: step 4: non-finite gradient norm" in err and "last complete checkpoint: " in err
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == ["step-00000002"]
+    assert all(math.isfinite(v) for v in losses(tmp_path).values())
     assert not (tmp_path / "model.safetensors").exists()
 
 

@@ -72,6 +72,14 @@ def test_deepspeed_precision_keys_per_stage(stage, precision):
         get_bfloat16_config({"bf16": {"enabled": True, "check_overflow": False}})
     if fp32_accum:
         assert DtypeEnum(ds["data_types"]["grad_accum_dtype"]).value == torch.float32
+    # gradients reduced in fp32; nothing of DeepSpeed's bookkeeping synchronises in a step
+    from deepspeed.comm.config import DeepSpeedCommsConfig
+    from deepspeed.runtime.config import get_communication_data_type
+    from deepspeed.utils.config import get_timers_config
+
+    assert get_communication_data_type(ds) == torch.float32
+    assert get_timers_config(ds).enabled is False
+    assert DeepSpeedCommsConfig(ds).comms_logger_enabled is False  # the key's presence alone enables it
 
 
 def test_default_param_groups_skip_decay_on_norms_biases_embeddings():

@@ -14,6 +14,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from tests.services import *  # noqa: E402,F401,F403  (service fixtures)
 from tests.services import in_ci  # noqa: E402
+from tests.shared import built_once  # noqa: E402
 
 
 @pytest.fixture
@@ -51,6 +52,42 @@ def pytest_runtest_makereport(item, call):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
         rep.outcome = "failed"
         rep.longrepr = f"CI=true: {item.nodeid} needs a real service and was skipped: {reason}"
+
+
+# ── Data several modules read (tests/shared.py: built once per session, also under pytest-xdist) ──────
+@pytest.fixture(scope="session")
+def corpus_shards(tmp_path_factory) -> Path:
+    """`vitp prep` of tests/data_prep_fixtures.build_corpus (3 classes x 12 good images, and one of every
+    bad input), ``--val-fraction 0.2 --max-samples-per-shard 16``: >= 2 train shards and a val split.
+    Read only: a test that changes it copies it first."""
+    from tests.data_prep_fixtures import build_corpus, vitp_prep
+
+    def build(d: Path) -> None:
+        build_corpus(d / "images", n_good_per_class=12)
+        info = vitp_prep(d / "images", d / "shards", "--val-fraction", "0.2", "--max-samples-per-shard", "16")
+        assert len(info["splits"]["train"]["filenames"]) >= 2 and info["splits"]["val"]["num_samples"] > 0
+
+    return built_once(tmp_path_factory, "corpus_shards", build) / "shards"
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory):
+    """``get(stage, data) -> run dir``: the uninterrupted 6-step tiny pre-training on 2 ranks
+    (tests/integration/test_pretrain.py's ``pretrain``: constant lr after warm-up, a checkpoint every 2
+    steps) at that ZeRO stage over that data, made once per session on first use, for every test that
+    compares a run with it. Read only."""
+    import hashlib
+
+    from tests.integration.test_pretrain import SYNTHETIC, pretrain
+
+    def get(stage: int, data: list[str] = SYNTHETIC) -> Path:
+        def build(d: Path) -> None:
+            assert pretrain(d, f"engine.zero_stage={stage}", data=data) == 0
+
+        key = hashlib.sha1(repr((stage, tuple(data))).encode()).hexdigest()[:10]
+        return built_once(tmp_path_factory, f"ref_zero{stage}_{key}", build)
+
+    return get
 
 
 # ── Object stores on loopback (tests/object_store.py) ──────────────────────────────────────────────

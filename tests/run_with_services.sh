@@ -39,7 +39,13 @@ if [ "$(id -u)" = 0 ]; then
   export VITP_SLURM=1
 fi
 
+t0=$(date +%s)
 "$PY" -m pytest "$@"
 rc=$?
+# The suite's own clock (the slowest tests are listed above by --durations): .ci/run warns from this
+# line when the suite outgrows its budget.
+s=$(( $(date +%s) - t0 ))
+printf 'pytest wall time: %d s (%d min %02d s); %d s with the set-up of services\n' "$s" $((s / 60)) \
+  $((s % 60)) "$SECONDS"
 if [ $rc -eq 5 ]; then echo "error: pytest ran no test" >&2; exit 1; fi
 exit $rc

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from launch.jobs import read_index
-from tests.data_prep_fixtures import build_corpus, vitp_prep
 from tests.unit.test_preflight import fake_nvidia_smi
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,12 +30,10 @@ CPU_RATE = "hardware.peak_tflops=0.05"  # this CPU's order of magnitude: the pla
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("pf")
-    build_corpus(d / "images", n_good_per_class=12)
-    vitp_prep(d / "images", d / "shards", "--val-fraction", "0.2", "--max-samples-per-shard", "16")
-    return d / "shards"
+@pytest.fixture
+def shards(corpus_shards) -> Path:
+    """Real shards from `vitp prep` (tests/conftest.py, shared with the submit tests)."""
+    return corpus_shards
 
 
 def vitp(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

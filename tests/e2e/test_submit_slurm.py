@@ -24,7 +24,7 @@ import pytest
 
 from launch.jobs import job_state, outcome, read_errors, read_index, slurm_states, wait
 from pipeline.train.checkpoint import complete_checkpoints, tag_for
-from tests.data_prep_fixtures import build_corpus, tree_bytes, vitp_prep
+from tests.data_prep_fixtures import build_corpus, tree_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "configs/pretrain/tiny_cpu.yaml"
@@ -40,14 +40,11 @@ def cluster(request):
     return request.getfixturevalue("slurm_cluster")
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    """Real images through `vitp prep`: 3 classes, 3 train shards of <= 16 samples, a val split."""
-    d = tmp_path_factory.mktemp("prepped")
-    build_corpus(d / "images", n_good_per_class=12)
-    info = vitp_prep(d / "images", d / "shards", "--val-fraction", "0.2", "--max-samples-per-shard", "16")
-    assert len(info["splits"]["train"]["filenames"]) >= 2 and info["splits"]["val"]["num_samples"] > 0
-    return d / "shards"
+@pytest.fixture
+def shards(corpus_shards) -> Path:
+    """Real images through `vitp prep` (tests/conftest.py, shared with the preflight tests): 3 classes,
+    3 train shards of <= 16 samples, a val split."""
+    return corpus_shards
 
 
 def cli(args: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:

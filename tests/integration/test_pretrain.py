@@ -1,6 +1,6 @@
 """Pre-training on 2 CPU ranks (DeepSpeed over gloo): ZeRO stages, kill/resume exactness over real
 shards, torn saves, world-size change, MLflow outage, a non-finite loss, mixup. Runs share a few
-uninterrupted reference runs (module fixtures).
+uninterrupted reference runs (tests/conftest.py's tiny_reference).
 
 The tiny recipe with a constant lr after warm-up, so a 3-step run equals the first 3 steps of a
 6-step run. Two data sources: the in-memory synthetic set (fast; its position survives a world-size
@@ -87,20 +87,11 @@ def loader_state(ckpt: Path, rank: int) -> dict:
     return torch.load(ckpt / f"vitp_rank{rank}.pt", weights_only=True)["states"]["loader"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted 6-step runs, by ZeRO stage and data (made on first use)."""
-    made = {}
-
-    def get(stage: int, data: list[str] = SYNTHETIC) -> Path:
-        key = (stage, tuple(data))
-        if key not in made:
-            d = tmp_path_factory.mktemp(f"ref_zero{stage}")
-            assert pretrain(d, f"engine.zero_stage={stage}", data=data) == 0
-            made[key] = d
-        return made[key]
-
-    return get
+@pytest.fixture
+def reference(tiny_reference):
+    """Uninterrupted 6-step runs, by ZeRO stage and data (tests/conftest.py: made once per session on
+    first use, shared with the other modules that compare against them)."""
+    return tiny_reference
 
 
 def test_zero2_trains_and_writes_outputs(reference):

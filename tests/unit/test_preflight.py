@@ -5,6 +5,7 @@ The whole job on the local SLURM cluster is tests/e2e/test_preflight_slurm.py.""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -210,14 +211,12 @@ def test_write_throughput_real_fsync_and_unwritable(tmp_path):
     assert bad["error"].startswith(f"run.dir {tmp_path}/afile/run: not writable (NotADirectoryError")
 
 
-def test_read_throughput_over_real_shards(tmp_path):
-    from tests.data_prep_fixtures import build_corpus, vitp_prep
-
-    build_corpus(tmp_path / "images", n_good_per_class=6)
-    info = vitp_prep(tmp_path / "images", tmp_path / "shards", "--max-samples-per-shard", "8")
-    files = [tmp_path / "shards" / f for f in info["splits"]["train"]["filenames"]]
+def test_read_throughput_over_real_shards(corpus_shards, tmp_path):
+    info = json.loads((corpus_shards / "_info.json").read_text())  # the session's `vitp prep` output
+    files = [corpus_shards / f for f in info["splits"]["train"]["filenames"]]
+    assert len(files) >= 2  # the read spans shards
     total = sum(f.stat().st_size for f in files)
-    got = read_throughput(str(tmp_path / "shards"), "train", 1, budget_mb=64)
+    got = read_throughput(str(corpus_shards), "train", 1, budget_mb=64)
     assert got["bytes"] == total and got["shards"] == len(files) and got["mb_s"] > 0
     assert got["sample_bytes"] == pytest.approx(total / info["splits"]["train"]["num_samples"])
     assert "not found" in read_throughput(str(tmp_path / "nope"), "train", 0, 64)["error"]

@@ -136,29 +136,85 @@ def exists(address: str | os.PathLike) -> bool:
     return fs.exists(path)
 
 
-def size(address: str | os.PathLike) -> int:
-    fs, path = filesystem(address)
+def size(address: str | os.PathLike, read_timeout_s: float | None = None) -> int:
+    fs, path = filesystem(address, read_timeout_s)
     return int(fs.size(path))
 
 
 def open_read(address: str | os.PathLike, start: int = 0, read_timeout_s: float | None = None,
-              block_size: int = 1 << 22, cache_type: str = "readahead") -> IO[bytes]:
+              block_size: int = 1 << 22) -> IO[bytes]:
     """A binary stream of the object from byte ``start``: a local file is seeked; a remote object is
-    read as a stream of ranged reads of ``block_size`` bytes (no download to disk; ``cache_type``
-    "none": each ``read(n)`` is one ranged read of n bytes, for a caller that reads whole blocks).
+    read as a stream of ranged reads of ``block_size`` bytes (no download to disk).
 
-    No retry here: a caller that must survive network faults wraps it (pipeline.data.stream), and
-    passes ``read_timeout_s`` so that a stalled read fails (and the SDK does not retry on its own).
+    No retry here: a caller that must survive network faults reads through :func:`read_range`
+    instead (pipeline.data.stream), which keeps what a failed read received.
     """
     fs, path = filesystem(address, read_timeout_s)
     if not is_remote(str(address)):
         f = open(path, "rb", buffering=1 << 16)
         f.seek(start)
         return f
-    f = fs.open(path, "rb", block_size=block_size, cache_type=cache_type)
+    f = fs.open(path, "rb", block_size=block_size, cache_type="readahead")
     if start:
         f.seek(start)
     return f
+
+
+def read_range(address: str, start: int, end: int, read_timeout_s: float | None, into: list[bytes]) -> None:
+    """One ranged GET of bytes ``[start, end)`` of the remote object ``address`` (``end`` <= its size),
+    its body appended to ``into`` chunk by chunk as it arrives. A read that fails part way (a reset,
+    no byte for ``read_timeout_s``) raises as the SDK raises, and ``into`` keeps every byte received
+    before: the caller asks for the rest from there instead of losing the try. FileNotFoundError /
+    PermissionError for a missing or refused object; an http(s) server that ignores ``Range`` past
+    byte 0 is an AddressError (no try can fix it).
+
+    S3 and http(s) read the body in chunks; gs:// asks gcsfs for the range whole (kept or lost whole).
+    """
+    from fsspec.asyn import sync
+
+    fs, path = filesystem(address, read_timeout_s)
+    proto = scheme(address)
+    if proto == "s3":
+        sync(fs.loop, _s3_range, fs, path, start, end, into)
+    elif proto in ("http", "https"):
+        sync(fs.loop, _http_range, fs, path, start, end, into)
+    else:
+        into.append(fs.cat_file(path, start=start, end=end))
+
+
+_CHUNK = 1 << 20  # the most one body read returns (it returns what has arrived, up to this)
+
+
+async def _s3_range(fs, path: str, start: int, end: int, into: list[bytes]) -> None:
+    bucket, key, version = fs.split_path(path)
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                             **({"VersionId": version} if version else {}))
+    body = resp["Body"]
+    try:
+        while chunk := await body.read(_CHUNK):
+            into.append(chunk)
+    finally:
+        body.close()
+
+
+async def _http_range(fs, url: str, start: int, end: int, into: list[bytes]) -> None:
+    kw = dict(fs.kwargs)
+    headers = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
+        if r.status in (404, 410):
+            raise FileNotFoundError(f"HTTP {r.status} {r.reason}")
+        if r.status in (401, 403):
+            raise PermissionError(f"HTTP {r.status} {r.reason}")
+        if r.status >= 400:  # the reply's own error names the URL, signature and all
+            raise OSError(f"HTTP {r.status} {r.reason}")
+        if r.status != 206 and start > 0:
+            raise AddressError(f"{public(url)}: the server ignores Range requests (HTTP {r.status}): "
+                               "it cannot be read from a byte offset")
+        want = end - start  # a 200 is the whole object: its first ``want`` bytes are the range
+        while want > 0 and (chunk := await r.content.read(min(want, _CHUNK))):
+            into.append(chunk)
+            want -= len(chunk)
 
 
 def check_readable(address: str | os.PathLike, what: str) -> None:

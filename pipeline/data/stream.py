@@ -95,17 +95,12 @@ class ShardStream:
 
     # ── producer (background thread) ──
     def _produce(self, pos: int) -> None:
-        size, failures = None, 0
+        failures = 0
         while not self._stop.is_set():
             got: list[bytes] = []  # what this try received, kept even when the try fails part way
-            error = None
+            error, size = None, None
             try:
-                if size is None:
-                    size = store.size(self.address, self.policy.timeout_s)
-                if pos >= size:
-                    self._put(b"")
-                    return
-                store.read_range(self.address, pos, min(pos + self.block, size), self.policy.timeout_s, got)
+                size = store.read_range(self.address, pos, pos + self.block, self.policy.timeout_s, got)
             except Exception as e:  # noqa: BLE001 (each SDK has its own errors; store.reason names them)
                 error = e
             if got:
@@ -113,6 +108,9 @@ class ShardStream:
                 pos += len(b)
                 _BYTES["bytes"] += len(b)
                 self._put(b)
+            if size is not None and pos >= size:
+                self._put(b"")
+                return
             if error is not None and _fatal(error):
                 self._put(ShardReadError(self.address, f"unreadable at byte {pos} ({store.reason(error)})"))
                 return

@@ -142,23 +142,106 @@ def size(address: str | os.PathLike) -> int:
 
 
 def open_read(address: str | os.PathLike, start: int = 0, read_timeout_s: float | None = None,
-              block_size: int = 1 << 22, cache_type: str = "readahead") -> IO[bytes]:
+              block_size: int = 1 << 22) -> IO[bytes]:
     """A binary stream of the object from byte ``start``: a local file is seeked; a remote object is
-    read as a stream of ranged reads of ``block_size`` bytes (no download to disk; ``cache_type``
-    "none": each ``read(n)`` is one ranged read of n bytes, for a caller that reads whole blocks).
+    read as a stream of ranged reads of ``block_size`` bytes (no download to disk).
 
-    No retry here: a caller that must survive network faults wraps it (pipeline.data.stream), and
-    passes ``read_timeout_s`` so that a stalled read fails (and the SDK does not retry on its own).
+    No retry here: a caller that must survive network faults reads through :func:`read_range`
+    instead (pipeline.data.stream), which keeps what a failed read received.
     """
     fs, path = filesystem(address, read_timeout_s)
     if not is_remote(str(address)):
         f = open(path, "rb", buffering=1 << 16)
         f.seek(start)
         return f
-    f = fs.open(path, "rb", block_size=block_size, cache_type=cache_type)
+    f = fs.open(path, "rb", block_size=block_size, cache_type="readahead")
     if start:
         f.seek(start)
     return f
+
+
+def read_range(address: str, start: int, end: int, read_timeout_s: float | None, into: list[bytes]) -> int:
+    """One ranged GET of bytes ``[start, end)`` of the remote object ``address``, its body appended to
+    ``into`` chunk by chunk as it arrives; returns the object's size, as the reply states it (a range
+    past the end is cut there: fewer bytes, or none from ``start`` at or past the end).
+
+    A read that fails part way (a reset, no byte for ``read_timeout_s``) raises as the SDK raises, and
+    ``into`` keeps every byte received before: the caller asks for the rest from there instead of
+    losing the try. FileNotFoundError / PermissionError for a missing or refused object; an http(s)
+    server that ignores ``Range`` past byte 0 is an AddressError (no try can fix it). S3 and http(s)
+    bodies arrive in chunks; gs:// gets the range whole from gcsfs (kept or lost whole).
+    """
+    from fsspec.asyn import sync
+
+    fs, path = filesystem(address, read_timeout_s)
+    proto = scheme(address)
+    if proto == "s3":
+        return sync(fs.loop, _s3_range, fs, path, start, end, into)
+    if proto in ("http", "https"):
+        return sync(fs.loop, _http_range, fs, path, start, end, into)
+    return sync(fs.loop, _gs_range, fs, path, start, end, into)
+
+
+_CHUNK = 1 << 20  # the most one body read returns (it returns what has arrived, up to this)
+
+
+def _total(content_range: str | None, start: int) -> int:
+    """The object size in a ``Content-Range: bytes a-b/SIZE`` header (``start`` when it says none:
+    nothing was there from ``start`` on)."""
+    tail = (content_range or "").rpartition("/")[2]
+    return int(tail) if tail.isdigit() else start
+
+
+async def _s3_range(fs, path: str, start: int, end: int, into: list[bytes]) -> int:
+    bucket, key, version = fs.split_path(path)
+    try:
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
+                                 **({"VersionId": version} if version else {}))
+    except OSError as e:  # s3fs's translation of botocore's error keeps the reply as its cause
+        if getattr(e.__cause__, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+            return start
+        raise
+    body = resp["Body"]
+    try:
+        while chunk := await body.read(_CHUNK):
+            into.append(chunk)
+    finally:
+        body.close()
+    return _total(resp.get("ContentRange"), start) if "ContentRange" in resp else resp["ContentLength"]
+
+
+async def _http_range(fs, url: str, start: int, end: int, into: list[bytes]) -> int:
+    kw = dict(fs.kwargs)
+    headers = {**kw.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **kw) as r:
+        if r.status == 416:
+            return _total(r.headers.get("Content-Range"), start)
+        if r.status in (404, 410):
+            raise FileNotFoundError(f"HTTP {r.status} {r.reason}")
+        if r.status in (401, 403):
+            raise PermissionError(f"HTTP {r.status} {r.reason}")
+        if r.status >= 400:  # not raise_for_status: its message names the URL, signature and all
+            raise OSError(f"HTTP {r.status} {r.reason}")
+        if r.status != 206 and start > 0:
+            raise AddressError(f"{public(url)}: the server ignores Range requests (HTTP {r.status}): "
+                               "it cannot be read from a byte offset")
+        want = end - start  # a 200 is the whole object: its first ``want`` bytes are the range
+        while want > 0 and (chunk := await r.content.read(min(want, _CHUNK))):
+            into.append(chunk)
+            want -= len(chunk)
+        return _total(r.headers.get("Content-Range"), start) if r.status == 206 else int(r.headers["Content-Length"])
+
+
+async def _gs_range(fs, path: str, start: int, end: int, into: list[bytes]) -> int:
+    try:  # gcsfs's own one-shot ranged GET (_cat_file_sequential), for the reply's headers too
+        headers, body = await fs._call("GET", fs.url(path), headers={"Range": f"bytes={start}-{end - 1}"})
+    except Exception as e:
+        if getattr(e, "code", None) == 416:
+            return start
+        raise
+    into.append(body)
+    return _total(headers.get("Content-Range"), start)
 
 
 def check_readable(address: str | os.PathLike, what: str) -> None:

@@ -1,7 +1,7 @@
 """Remote shards as byte streams that survive network faults: retried, read ahead, counted.
 
 A :class:`ShardStream` reads one object (``s3://``, ``gs://``, ``https://``) from a byte offset as a
-sequence of ranged reads through ``data_prep.store.open_read``. A background thread fetches the next
+sequence of ranged reads through ``data_prep.store.read_range``. A background thread fetches the next
 blocks while the loader parses and decodes the current one (bounded: ``depth`` blocks wait at most),
 so a worker does not wait one round trip per block, and the next shard's stream can be opened before
 the current one ends (its first blocks arrive while this shard is consumed).
@@ -9,11 +9,13 @@ the current one ends (its first blocks arrive while this shard is consumed).
 Faults, as :class:`ReadPolicy` (``data.read_timeout_s``, ``data.read_retries``, ``data.on_read_error``)
 says: a reset connection, a 5xx/429 reply or a read that gets no bytes for ``timeout_s`` (the SDK's
 read timeout) is retried with exponential backoff and jitter, reopening the object at the first byte
-not yet delivered, so the consumer sees each byte once, in order. After ``retries`` failed tries in a
-row the stream raises :class:`ShardReadError`; a missing object or a refused one (404/403) is not
-retried. Stream shape::
+not yet delivered, so the consumer sees each byte once, in order. A try that fails part way keeps
+what it received (the next ranged read starts after it) and is not counted as failed: only a try
+that delivered nothing is, so a link that drops every few KiB still advances. After ``retries``
+failed tries in a row the stream raises :class:`ShardReadError`; a missing object or a refused one
+(404/403) is not retried. Stream shape::
 
-    store.open_read(addr, pos) ──blocks──▶ queue (≤ depth) ──read(n)──▶ tar parser ──▶ samples
+    store.read_range(addr, pos, pos + block) ──blocks──▶ queue (≤ depth) ──read(n)──▶ tar parser ──▶ samples
 """
 
 from __future__ import annotations
@@ -93,31 +95,34 @@ class ShardStream:
 
     # ── producer (background thread) ──
     def _produce(self, pos: int) -> None:
-        f, failures = None, 0
-        try:
-            while not self._stop.is_set():
-                try:
-                    if f is None:
-                        f = store.open_read(self.address, pos, self.policy.timeout_s, self.block, cache_type="none")
-                    b = f.read(self.block)
-                except Exception as e:  # noqa: BLE001 (each SDK has its own errors; store.reason names them)
-                    f = _close(f)
-                    failures += 1
-                    if _fatal(e) or failures > self.policy.retries:
-                        tries = "" if _fatal(e) else f" after {failures} tries"
-                        self._put(ShardReadError(self.address, f"unreadable{tries} at byte {pos} "
-                                                               f"({store.reason(e)})"))
-                        return
-                    self._stop.wait(self.policy.backoff(failures))
-                    continue
-                failures = 0
+        failures = 0
+        while not self._stop.is_set():
+            got: list[bytes] = []  # what this try received, kept even when the try fails part way
+            error, size = None, None
+            try:
+                size = store.read_range(self.address, pos, pos + self.block, self.policy.timeout_s, got)
+            except Exception as e:  # noqa: BLE001 (each SDK has its own errors; store.reason names them)
+                error = e
+            if got:
+                b = got[0] if len(got) == 1 else b"".join(got)
                 pos += len(b)
                 _BYTES["bytes"] += len(b)
                 self._put(b)
-                if not b:
-                    return
-        finally:
-            _close(f)
+            if size is not None and pos >= size:
+                self._put(b"")
+                return
+            if error is not None and _fatal(error):
+                self._put(ShardReadError(self.address, f"unreadable at byte {pos} ({store.reason(error)})"))
+                return
+            if got:  # progress, even if the link then dropped: not a failure, the rest is asked for at once
+                failures = 0
+                continue
+            failures += 1
+            if failures > self.policy.retries:
+                why = store.reason(error) if error is not None else "replies without a byte"
+                self._put(ShardReadError(self.address, f"unreadable after {failures} tries at byte {pos} ({why})"))
+                return
+            self._stop.wait(self.policy.backoff(failures))
 
     def _put(self, item) -> None:
         while not self._stop.is_set():
@@ -165,11 +170,3 @@ class ShardStream:
     def __exit__(self, *exc):
         self.close()
 
-
-def _close(f) -> None:
-    if f is not None:
-        try:
-            f.close()
-        except Exception:  # noqa: BLE001, S110 (a broken connection may fail to close; it is dropped anyway)
-            pass
-    return None

@@ -117,6 +117,41 @@ def test_resets_503s_and_a_stall_lose_double_or_reorder_nothing(prepped, remote,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["s3", "http"])
+def test_a_link_that_resets_every_few_kib_inside_a_block_loses_nothing(where, prepped, request, monkeypatch,
+                                                                        small_blocks):
+    """Connections reset every 3 KiB, well under a 16 KiB block: each try keeps what it received and
+    the next ranged GET starts after it, so every sample arrives once, in order, and no byte of a
+    shard is fetched twice (the ranges of one object only move forward; ranged GETs are all it asks)."""
+    want, _ = every_sample(str(prepped))
+    if where == "s3":
+        remote = request.getfixturevalue("remote")
+        proxy = through(monkeypatch, request.getfixturevalue("s3_server"), Faults())
+    else:
+        served = request.getfixturevalue("http_folder")(prepped.parent)
+        proxy = FaultProxy(served)
+        remote = f"{proxy.url}/{prepped.name}"
+    try:
+        info = read_info(remote)  # the small files arrive whole; the shards come through the faults
+        proxy.faults = Faults(reset_every=3 << 10)
+        got, counts = [], SkipCounts()
+        for name in sorted(info.splits):
+            sp = info.splits[name]
+            got += list(read_positions(sp, range(sp.num_samples), counts, num_classes=info.num_classes,
+                                       policy=FAST))
+    finally:
+        proxy.close()
+    assert got == want and counts == {}
+    shard_bytes = sum(Path(prepped, u).stat().st_size for s in info.splits.values()
+                      for u in read_info(prepped).splits[s.name].urls)
+    assert proxy.resets >= shard_bytes // (3 << 10) - 1
+    for shard in {t.split("?")[0] for m, t, _ in proxy.requests if t.endswith(".tar") or ".tar?" in t}:
+        asked = [(m, r) for m, t, r in proxy.requests if t.split("?")[0] == shard]
+        starts = [int(r.removeprefix("bytes=").split("-")[0]) for m, r in asked]
+        assert {m for m, _ in asked} == {"GET"} and starts == sorted(starts) and len(starts) > 1, shard
+
+
+@pytest.mark.timeout(300)
 def test_a_training_epoch_through_faults_equals_the_local_one(prepped, remote, s3_server, monkeypatch,
                                                               small_blocks):
     def batches(path):

@@ -29,6 +29,12 @@ def test_s3_read_ranges_and_errors(s3_bucket):
     assert store.read_bytes(url) == data
     with store.open_read(url, start=300_001) as f:
         assert f.read(1000) == data[300_001:301_001]
+    got = []
+    assert store.read_range(url, 300_001, len(data) + 99, 5, got) == len(data)  # the reply states the size
+    assert b"".join(got) == data[300_001:] and all(got)  # one GET, its body in the chunks that arrived
+    assert store.read_range(url, len(data), len(data) + 10, 5, got) == len(data)  # nothing past the end
+    with pytest.raises(FileNotFoundError):
+        store.read_range(f"{s3_bucket}/d/y", 0, 10, 5, [])
     with pytest.raises(store.AddressError, match=r"^data.path: s3://no-such-bucket-x/y/_info.json: not found"):
         store.check_readable("s3://no-such-bucket-x/y/_info.json", "data.path")
 
@@ -41,6 +47,15 @@ def test_http_read_ranges_and_errors(tmp_path, http_folder):
     assert store.read_bytes(f"{base}/x.bin") == data
     with store.open_read(f"{base}/x.bin", start=12345) as f:
         assert f.read(100) == data[12345:12445]
+    got = []
+    assert store.read_range(f"{base}/x.bin", 12345, 12445, 5, got) == len(data)
+    assert b"".join(got) == data[12345:12445]
+    assert store.read_range(f"{base}/x.bin", len(data), len(data) + 10, 5, got) == len(data)
+    assert b"".join(got) == data[12345:12445]  # nothing past the end
+    with pytest.raises(FileNotFoundError):
+        store.read_range(f"{base}/nope.bin", 0, 10, 5, [])
+    with pytest.raises(PermissionError):
+        store.read_range(f"{base}/forbidden/x.bin", 0, 10, 5, [])
     with pytest.raises(store.AddressError, match=r"^eval: http://127.0.0.1:\d+/nope.json: HTTP 404 Not Found$"):
         store.check_readable(f"{base}/nope.json?token=secret", "eval")
     with pytest.raises(store.AddressError, match=r"HTTP 403 Forbidden$") as e:

@@ -27,10 +27,10 @@ $(STAMP): pyproject.toml $(LOCK)
 
 venv: $(STAMP)
 
-# torch first, then the lock without torch's own packages, then the project, all without resolving
-# again: torch must stay the one installed. torchvision (timm's dependency; only RandAugment/mixup and
-# bench/ use it) is left out: the only torchvision for this torch at hand is a CUDA build that cannot
-# load beside a CPU torch, where an image's own torchvision matches its torch.
+# torch first (the registry's build: CUDA, with its nvidia wheels, as a GPU image has), then the lock
+# without torch's own packages, then the project, all without resolving again: torch must stay the one
+# installed. torchvision (timm's dependency; only RandAugment/mixup and bench/ use it) is left out: an
+# image's own torchvision matches its torch, and the lock's is built for the lock's torch.
 $(FLOOR_STAMP): pyproject.toml $(LOCK) $(FLOOR_REQ)
 	@test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_PY) -m pip install -q --upgrade pip

@@ -55,13 +55,14 @@ def test_smoke_runs_every_part_on_the_cpu(wheels, tmp_path):
     assert got["plain_step_syncs_gpu"] == got["plain_step_event_syncs_gpu"] == got["plain_step_dtoh_copies_gpu"] == 0
     assert got["plain_step_scalar_reads_gpu"] >= 1
     assert "pipeline/" in (out / "syncs.txt").read_text() or "deepspeed/" in (out / "syncs.txt").read_text()
-    assert 0 < got["mfu_pretrain_vit_b16_gpu"] < 10  # against the recipe's H100 peak: tiny on a CPU, but measured
+    # against an H100's peak a CPU's MFU is ~1e-7: measured (the records), though the 4-decimal line shows 0
+    assert 0 <= got["mfu_pretrain_vit_b16_gpu"] < 1 and 0 <= got["mfu_vit_b16"] < 1
     wait = got["data_wait_pretrain_vit_b16_gpu"]
     assert math.isnan(wait) or 0 <= wait <= 1
-    assert got["mfu_vit_b16"] > 0 and math.isfinite(got["mfu_vit_b16"])
 
-    steps = [json.loads(x)["step"] for x in (out / "pretrain_metrics.jsonl").read_text().splitlines()]
-    assert [s for s in steps if s] == [2, 4, 6]
+    records = [json.loads(x) for x in (out / "pretrain_metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "mfu" in r] == [2, 4, 6]
+    assert all(r["mfu"] > 0 for r in records if "mfu" in r)
     files = {p.name: p.stat().st_size for p in out.iterdir()}
     assert set(files) == OUT_FILES and all(size < 16 * 2**20 for size in files.values())
 

@@ -13,7 +13,8 @@ FLOOR_REQ := requirements-floor.txt
 FLOOR_STAMP := $(FLOOR_VENV)/.vitp-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-quick venv floor-venv services-up services-down bench bench-img2dataset lint lock clean
+.PHONY: demo test test-quick venv floor-venv services-up services-down bench bench-img2dataset gpu-wheels gpu-check \
+	lint lock clean
 
 # A fresh Debian python3 cannot create a venv without python3-venv: installed when root with apt,
 # else install-debian.sh says in one line what to run.
@@ -26,10 +27,10 @@ $(STAMP): pyproject.toml $(LOCK)
 
 venv: $(STAMP)
 
-# torch first, then the lock without torch's own packages, then the project, all without resolving
-# again: torch must stay the one installed. torchvision (timm's dependency; only RandAugment/mixup and
-# bench/ use it) is left out: the only torchvision for this torch at hand is a CUDA build that cannot
-# load beside a CPU torch, where an image's own torchvision matches its torch.
+# torch first (the registry's build: CUDA, with its nvidia wheels, as a GPU image has), then the lock
+# without torch's own packages, then the project, all without resolving again: torch must stay the one
+# installed. torchvision (timm's dependency; only RandAugment/mixup and bench/ use it) is left out: an
+# image's own torchvision matches its torch, and the lock's is built for the lock's torch.
 $(FLOOR_STAMP): pyproject.toml $(LOCK) $(FLOOR_REQ)
 	@test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_PY) -m pip install -q --upgrade pip
@@ -84,6 +85,24 @@ $(PEER_VENV)/bin/img2dataset:
 
 bench-img2dataset: $(STAMP) $(PEER_VENV)/bin/img2dataset
 	$(PY) bench/prep.py --img2dataset $(abspath $(PEER_VENV))/bin/img2dataset --only-img2dataset
+
+# The GPU machine's check (bench/gpu_check.py). `make gpu-wheels` (here, with a package registry) writes
+# the cp312 wheels its image lacks into GPU_WHEELS; `make gpu-check` (there, beside them) runs in at
+# most 5 minutes and writes at most 8 files into GPU_CHECK_OUT; GPU_CHECK_SMOKE=1 runs every part on
+# this CPU; GPU_CHECK_PARTS=a,b runs those parts alone. Neither touches an existing .venv (gpu-wheels
+# builds one only where there is none); on the GPU machine, with no .venv, the image's python3 runs it.
+GPU_WHEELS ?= .gpu-wheels
+GPU_CHECK_OUT ?= .gpu-check/out
+GPU_CHECK_WORK ?= .gpu-check
+GPU_CHECK_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+
+gpu-wheels:
+	@test -x $(PY) || $(MAKE) venv
+	$(PY) bench/gpu_wheels.py --out $(GPU_WHEELS)
+
+gpu-check:
+	$(GPU_CHECK_PY) bench/gpu_check.py --wheels $(GPU_WHEELS) --out $(GPU_CHECK_OUT) --work $(GPU_CHECK_WORK) \
+	  $(if $(GPU_CHECK_SMOKE),--smoke) $(if $(GPU_CHECK_PARTS),--parts $(GPU_CHECK_PARTS))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check pipeline launch data_prep tests bench

@@ -24,6 +24,7 @@ Ratio lines go to stdout, everything else to stderr. Tracking is off (no MLflow 
     python bench/gpu_step.py                  # one GPU, ~6 minutes on an H100
     python bench/gpu_step.py --compile off    # vitp without torch.compile'd blocks
     python bench/gpu_step.py --smoke          # every path on the CPU: tiny ViT, 1-2 steps, fp32, gloo
+    python bench/gpu_step.py --models vit_b16 --batches 128,256 --sections search   # make gpu-check's part
 """
 
 from __future__ import annotations
@@ -329,7 +330,7 @@ class Bench:
             f"ZeRO-{a.zero}, {cfg0.engine.precision}, train.compile={self.compile} (None: the config's default), "
             f"{self.num_classes} classes, {a.warmup} warm-up + {a.windows} x {a.steps} timed steps")
         for i, name in enumerate(models):
-            share = (0.55 if len(models) > 1 else 0.8) if i == 0 else 1.0
+            share = (0.55 if len(models) > 1 else 0.8) if i == 0 and a.sections == "all" else 1.0
             if i and self.compiling:
                 torch._dynamo.reset()  # another width: fresh static graphs, not ones made dynamic in every dim
             try:
@@ -343,7 +344,7 @@ class Bench:
             else:
                 log(f"{name}: best micro batch {best}: {best / found[best].step_s:.1f} img/s")
                 ratio(f"mfu_{name}", self.flops(self.cfg(name, best), best) / found[best].step_s / peak)
-            if i == 0:
+            if i == 0 and a.sections == "all":
                 self.against_peers(name, found, best)
                 self.at_recipe(name)
         log(f"done in {self.elapsed():.0f}s")
@@ -464,6 +465,9 @@ def main(argv=None) -> int:
                     help="the cluster the recipe's accumulation is computed for (default configs/cluster/h100_8x.yaml)")
     ap.add_argument("--accum", type=int, default=None,
                     help="accumulation for the recipe section (default: the recipe's on --resources' cluster)")
+    ap.add_argument("--sections", choices=["all", "search"], default="all",
+                    help="search: only each model's micro-batch search and its mfu line (make gpu-check's "
+                         "sized-down run); all: also the peers, loader, memory and recipe sections (default)")
     ap.add_argument("--smoke", action="store_true", help="every path on the CPU: tiny ViT, 1-2 steps, fp32, gloo")
     a = ap.parse_args(argv)
     smoke = a.smoke

@@ -54,7 +54,7 @@ def test_per_task_binding_local_rank_1_sees_one_gpu(tmp_path):
     first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": first, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "1",
            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("DS_ACCELERATOR", None)
     r = subprocess.run([sys.executable, "-m", "launch.cli", "pretrain", "--config", TINY, f"run.dir={run}", SYNTH,
                         *H14_PATH, "train.steps=3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

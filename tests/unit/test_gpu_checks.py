@@ -24,17 +24,19 @@ def test_a_skip_fails_only_where_gpus_were_asked_for():
 
 
 def test_gpu_tests_skip_in_one_line_without_cuda_and_fail_when_required():
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu/test_gpu_zero3_binding.py",
-            "-rs"]
+    """Every test in tests/gpu/ (5: 2 in test_gpu_training.py, 3 in test_gpu_zero3_binding.py)."""
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", "-rs"]
     r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     from pipeline.distributed import cuda_problem
 
     if cuda_problem() is not None:
-        assert r.returncode == 0 and "3 skipped" in r.stdout, r.stdout[-2000:]
-        assert "needs a CUDA GPU: " in r.stdout
+        assert r.returncode == 0 and "5 skipped" in r.stdout, r.stdout[-2000:]
+        skips = [line for line in r.stdout.splitlines() if line.startswith("SKIPPED")]
+        assert skips and all(f"needs a CUDA GPU: {cuda_problem()}" in line for line in skips), r.stdout[-2000:]
+        assert "\n" not in cuda_problem()  # the reason is one line
         env = {**os.environ, "VITP_REQUIRE_GPU": "1"}
         r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-        assert r.returncode == 1 and "VITP_REQUIRE_GPU is set" in r.stdout and "3 error" in r.stdout, r.stdout[-2000:]
+        assert r.returncode == 1 and "VITP_REQUIRE_GPU is set" in r.stdout and "5 error" in r.stdout, r.stdout[-2000:]
 
 
 def test_bench_gpu_step_help_and_recipe_step():

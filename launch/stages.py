@@ -4,6 +4,9 @@ functions of a typed config (pipeline.pretrain, .transfer, .evaluate) that know 
 Exit codes (launch/cli.py maps the errors, the same for every command): 0 done (or stopped for a
 requeue), 1 a non-finite loss, 2 a usage or input error (one line naming the key, file or value, before
 anything starts where it can be known then), 143 stopped by SIGTERM after a checkpoint.
+
+A command imports its stage (torch, the model, DeepSpeed) only once its command line and config are
+checked: `--help` and a mistake answer without loading them.
 """
 
 from __future__ import annotations
@@ -77,19 +80,27 @@ def _data_wait_summary(data_wait: float | None) -> str:
     return out
 
 
-def pretrain_main(argv: list[str]) -> int:
+def _pretrain(cfg):
     from pipeline.pretrain import pretrain
 
+    return pretrain(cfg)
+
+
+def _transfer(cfg):
+    from pipeline.transfer import transfer
+
+    return transfer(cfg)
+
+
+def pretrain_main(argv: list[str]) -> int:
     return stage_main(argv, "pretrain", "pre-train a ViT with DeepSpeed ZeRO; resumes from RUN_DIR's newest "
-                                        "complete checkpoint (run.fresh=true starts over)", pretrain)
+                                        "complete checkpoint (run.fresh=true starts over)", _pretrain)
 
 
 def transfer_main(argv: list[str]) -> int:
-    from pipeline.transfer import transfer
-
     return stage_main(argv, "transfer", "Fine-tune a pre-trained ViT at a (higher) resolution on a downstream "
                                         "dataset: init.from is a run dir, checkpoint folder, safetensors, timm "
-                                        ".pth or JAX .npz.", transfer)
+                                        ".pth or JAX .npz.", _transfer)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,7 +169,6 @@ def print_eval(res) -> None:
 def eval_main(argv: list[str]) -> int:
     from pipeline.config import EvalConfig, load_config
     from pipeline.distributed import dist_env, leave_process_group
-    from pipeline.evaluate import evaluate
 
     p = parser_for("eval", "Evaluate a checkpoint: top-1/top-5, per-class accuracy and confusion matrix on a "
                            "split (on multi-label data: precision@1, mean average precision and per-class AP); "
@@ -166,6 +176,8 @@ def eval_main(argv: list[str]) -> int:
     add_eval_args(p)
     args = p.parse_args(argv)
     cfg = load_config(None, eval_overrides(args), world_size=dist_env().world_size, schema=EvalConfig)
+    from pipeline.evaluate import evaluate
+
     try:
         res = evaluate(cfg)
     finally:
@@ -178,29 +190,29 @@ def eval_main(argv: list[str]) -> int:
 # vitp export, inspect, plan
 # --------------------------------------------------------------------------------------------------
 def export_main(argv: list[str]) -> int:
-    from pipeline.weights import export
-
     p = parser_for("export", "export consolidated fp32 weights of a run or checkpoint (any ZeRO stage)")
     p.add_argument("checkpoint", help="a run dir, a checkpoints/step-* folder or a .safetensors file")
     p.add_argument("--format", choices=["safetensors", "timm"], default="safetensors",
                    help="vitp names (safetensors) or timm VisionTransformer names (timm, also safetensors)")
     p.add_argument("out", help="output file, e.g. model.safetensors")
     args = p.parse_args(argv)
+    from pipeline.weights import export
+
     n = export(args.checkpoint, args.out, args.format)
     print(f"wrote {args.out}: {n['tensors']} tensors, {n['params'] / 1e6:.2f}M parameters ({args.format})")
     return 0
 
 
 def inspect_main(argv: list[str]) -> int:
-    from pipeline.eval.figures import load_images, write_figures
-    from pipeline.weights import load_model
-
     p = parser_for("inspect", "Draw the paper's Figure 6/7 panels for a checkpoint.")
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (pre-training/transfer), or a vitp .safetensors export")
     p.add_argument("--image", action="append", default=[], help="an input image (repeatable)")
     p.add_argument("--out", required=True, help="folder for the PNGs")
     args = p.parse_args(argv)
+    from pipeline.eval.figures import load_images, write_figures
+    from pipeline.weights import load_model
+
     model = load_model(args.checkpoint)
     images = load_images(args.image, model.img_size) if args.image else None
     for path in write_figures(model, args.out, images):

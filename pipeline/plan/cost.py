@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from pipeline.data.synthetic import is_synthetic
 from pipeline.plan.memory import BYTES, GiB, ModelShape, fp32_accumulation_path, memory_per_rank
 
 TPU_V3_CORE_TFLOPS = 61.5  # 123 TFLOP/s bf16 per TPUv3 chip, 2 cores per chip
@@ -43,6 +42,7 @@ class PlanError(ValueError):
 def _data_info(cfg):
     """The dataset's Info when data.path names one, else None (planning works without data)."""
     from pipeline.data import DataError, read_info
+    from pipeline.data.synthetic import is_synthetic
 
     if not cfg.data.path or not (is_synthetic(cfg.data.path) or (Path(cfg.data.path) / "_info.json").is_file()):
         return None

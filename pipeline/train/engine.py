@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
+import importlib
 import io
 import math
 import os
 import re
+import sys
 
 import torch
 import torch.distributed as dist
@@ -26,18 +29,84 @@ import torch.distributed as dist
 from pipeline.distributed import bound_collectives, comm_device
 
 
+@functools.cache
 def _deepspeed():
-    """DeepSpeed, imported only once this process needs it.
+    """DeepSpeed, imported (and set up, once) only when this process needs it, without what a run
+    never uses of it.
 
     DeepSpeed picks its accelerator when it is first imported, from DS_ACCELERATOR: importing it at
     module level would fix the accelerator wherever a stage module is merely imported (the login
     node that submits), and sbatch would carry that choice to the GPU nodes. The stage decides it on
     the node (:func:`pipeline.distributed.setup`) before the first import here.
+
+    ``import deepspeed`` also imports mlflow where it is installed (its autotuner, which vitp never
+    runs, logs to it): mlflow and what it pulls in (pandas, scipy, ...) were most of DeepSpeed's
+    import time, in every rank. It is imported with mlflow hidden; pipeline/tracking imports mlflow
+    itself where a run tracks to it.
     """
-    import deepspeed
+    with _hidden("mlflow"):
+        import deepspeed
 
     deepspeed.utils.logger.setLevel("WARNING")  # it logs every checkpoint file at INFO
+    # DeepSpeed's torch backend compiles (first use: minutes on 2 cores, per torch and source path)
+    # and loads a shared-memory C++ op on the CPU accelerator; only inference_all_reduce (AutoTP
+    # inference) calls it, never training, whose collectives are the process group's (gloo, NCCL).
+    # On CUDA the lookup finds no such op and returns None, as this does.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = _no_shm_op
+    _import_muon()
     return deepspeed
+
+
+def _no_shm_op():
+    return None
+
+
+def _import_muon() -> None:
+    """DeepSpeed's Muon optimizer module, with its kernels compiled when first called, not when imported.
+
+    ZeRO imports it in every run (the optimizer check; ZeRO-1/2's gradient reduction, every step),
+    to ask whether the optimizer is a Muon one, and its import wraps three kernels in torch.compile,
+    which loads inductor: seconds of every rank's start, for kernels that only DeepSpeed's Muon runs
+    (vitp's optimizers are torch's AdamW and SGD). torch.compile compiles nothing before a call either;
+    only the wrapping moves to the first call."""
+    compiler = importlib.import_module("deepspeed.runtime.compiler")
+    eager = compiler.compile
+    compiler.compile = lambda: _compile_when_called
+    try:
+        importlib.import_module("deepspeed.runtime.zero.muon.muon_optimizer")
+    except ImportError:  # a DeepSpeed without Muon
+        pass
+    finally:
+        compiler.compile = eager
+
+
+def _compile_when_called(fn):
+    """``torch.compile(fn)``, made at the first call."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _hidden(*modules: str):
+    """Inside the block, importing one of ``modules`` (not yet loaded) raises ImportError, which
+    DeepSpeed's optional imports catch; afterwards they import as usual."""
+    hide = [m for m in modules if m not in sys.modules]
+    for m in hide:
+        sys.modules[m] = None
+    try:
+        yield
+    finally:
+        for m in hide:
+            if m in sys.modules and sys.modules[m] is None:
+                del sys.modules[m]
 
 
 def _on_gpu() -> bool:
@@ -314,7 +383,8 @@ def scratch_dir(fallback: str | os.PathLike) -> str:
     return str(fallback)
 
 
-_CONVERT = ("import sys; from deepspeed.checkpoint import ds_to_universal as u; "
+# (mlflow hidden as in _deepspeed: the conversion never tracks)
+_CONVERT = ("import sys; sys.modules['mlflow'] = None; from deepspeed.checkpoint import ds_to_universal as u; "
             "sys.argv = ['ds_to_universal', *sys.argv[1:]]; u.main(u.parse_arguments())")
 
 
@@ -370,6 +440,7 @@ def fp32_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """
     parent, tag = os.path.split(os.path.normpath(ckpt_dir))
     if glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt")):
+        _deepspeed()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         try:

@@ -85,3 +85,44 @@ def test_a_bug_keeps_its_traceback():
 def test_exit_table_names_real_exception_classes(module, name, code):
     cls = getattr(importlib.import_module(module), name)
     assert issubclass(cls, Exception) and code in (1, 2)
+
+
+# A mistake that needs the checkpoint's weights to be seen (they are read with torch)
+NEEDS_TORCH = {"export", "inspect"}
+HEAVY = ("torch", "deepspeed", "mlflow", "matplotlib", "submitit")
+
+_ANSWERS = """
+import json, os, sys
+from launch.cli import main
+from tests.unit.test_cli_errors import BAD, HEAVY, NEEDS_TORCH
+os.chdir(sys.argv[1])
+loaded = {}
+for command, (argv, _) in BAD.items():
+    for case in ([command, "show", "--help"] if command == "config" else [command, "--help"],
+                 *([] if command in NEEDS_TORCH else [[command, *argv]])):
+        try:
+            code = main(case)
+        except SystemExit as e:
+            code = e.code
+        heavy = [m for m in HEAVY if m in sys.modules]
+        if heavy:
+            loaded[" ".join(case)] = heavy
+            break
+print("RESULT " + json.dumps(loaded))
+"""
+
+
+def test_help_and_mistakes_answer_without_loading_the_stage(tmp_path):
+    """`vitp COMMAND --help` and each command's mistake (BAD) are answered before torch, DeepSpeed,
+    MLflow, matplotlib or submitit load (seconds each on a busy node): a stage module is imported
+    once its command line and config are checked. In a fresh interpreter, one case after another."""
+    import json
+    import subprocess
+    import sys
+
+    (tmp_path / "out").mkdir()
+    proc = subprocess.run([sys.executable, "-c", _ANSWERS, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    assert json.loads(line[-1][len("RESULT "):]) == {}

@@ -336,3 +336,33 @@ def test_bf16_knobs_do_what_the_config_says(stage):
         assert r["optimizer"] == "DeepSpeedZeroOptimizer" and r["check"] is False and r["overflow_checks"] == 0
     else:
         assert r["optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+
+
+_STAGE = """
+import json, sys
+from launch.cli import main
+rc = main(["pretrain", "--config", "configs/pretrain/tiny_cpu.yaml", "run.dir=" + sys.argv[1], "tracking.enabled=false",
+           "data.path=synthetic:train=64,val=16", "train.steps=1", "model.depth=1", "model.img_size=16"])
+print("RESULT " + json.dumps({"rc": rc, "loaded": sorted(m for m in sys.modules if m in sys.argv[2:])}))
+"""
+
+
+def test_a_stage_loads_only_what_it_runs(tmp_path):
+    """A one-step pre-training (ZeRO-2 over gloo, tracking off) in a fresh interpreter leaves out what it
+    never runs: mlflow (which `import deepspeed` pulls in for its autotuner), DeepSpeed's shared-memory
+    comm op (a C++ extension compiled on first use; only AutoTP inference calls it) and inductor, which
+    DeepSpeed's Muon kernels loaded when ZeRO imported them (the module itself loads: ZeRO asks it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    unused = ["mlflow", "deepspeed_shm_comm", "torch._inductor.compile_fx"]
+    proc = subprocess.run([sys.executable, "-c", _STAGE, str(tmp_path / "run"), *unused,
+                           "deepspeed.runtime.zero.muon.muon_optimizer"], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    r = json.loads(line[-1][len("RESULT "):])
+    assert r == {"rc": 0, "loaded": ["deepspeed.runtime.zero.muon.muon_optimizer"]}
+    assert (tmp_path / "run/model.safetensors").is_file() and (tmp_path / "run/figures").is_dir()

@@ -48,3 +48,15 @@ def test_a_job_that_asked_for_gpus_is_held_to_them(one_rank):
     with pytest.raises(pd.AcceleratorError, match=r"cluster.gpus_per_node=4 asks for GPUs but CUDA is not usable"):
         pd.setup(cfg, gpus_asked=4)
     assert not dist.is_initialized()
+
+
+def test_a_ranks_threads_come_from_cpus_per_task_whatever_the_launcher_put_in_the_environment(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's, for every rank it starts
+    note = pd.use_cpu_threads(2)
+    assert torch.get_num_threads() == 2  # the intra-op pool the training math runs on
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "2"  # for the rank's children
+    assert note == ("note: 2 CPU thread(s) per rank from cluster.cpus_per_task (OMP_NUM_THREADS=1 from the "
+                    "environment is not used: set cluster.cpus_per_task)")
+    assert pd.use_cpu_threads(2) is None  # nothing to say when the environment agrees (a second setup)
+    monkeypatch.delenv("OMP_NUM_THREADS")  # submitit's local executor, a SLURM task: nothing set
+    assert pd.use_cpu_threads(1) is None and torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"

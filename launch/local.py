@@ -1,9 +1,11 @@
 """Run a `vitp` command as N local processes (the multi-rank CPU runs of tests and the demo).
 
 Each process gets the torch.distributed variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT on a free port) and DS_ACCELERATOR=cpu when there is no GPU. If one rank
-fails or is killed, the others get SIGTERM, then SIGKILL after STOP_GRACE_S (a rank waiting in a
-collective that does not fail would hang until its timeout), and that rank's exit code is returned.
+MASTER_ADDR, MASTER_PORT on a free port) and DS_ACCELERATOR=cpu when there is no GPU; no thread
+count: a stage takes its own from cluster.cpus_per_task (pipeline.distributed.setup), as under any
+launcher. If one rank fails or is killed, the others get SIGTERM, then SIGKILL after STOP_GRACE_S
+(a rank waiting in a collective that does not fail would hang until its timeout), and that rank's
+exit code is returned.
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ def run_local(argv: list[str], nprocs: int, *, env: dict | None = None, timeout:
     base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")]))
     if not _has_cuda():
         base.setdefault("DS_ACCELERATOR", "cpu")
-    if nprocs >= 2:  # ranks share the cores: one intra-op thread each avoids oversubscription
-        base.setdefault("OMP_NUM_THREADS", "1")
     procs = []
     for r in range(nprocs):
         e = dict(base, RANK=str(r), LOCAL_RANK=str(r))

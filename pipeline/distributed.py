@@ -427,14 +427,44 @@ def bound_collectives(seconds: float | None = None) -> None:
     c10d._get_default_store().set_timeout(timeout)
 
 
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def use_cpu_threads(n: int, environ=None) -> str | None:
+    """Give this rank ``n`` CPU threads (cluster.cpus_per_task): torch's intra-op pool (its fp32 sums
+    split by thread count, so it decides a CPU run's last bits), its inter-op pool where still unset,
+    and THREAD_VARS for the processes the rank starts. Loader workers take 1 each (data/loader.py).
+
+    The config wins over an OMP_NUM_THREADS in the environment: torchrun puts 1 there for every rank
+    it starts, a SLURM task or submitit's local executor nothing, and inside the rank a user's value
+    cannot be told from a launcher's. Returns a note when the environment said otherwise, else None.
+    """
+    import torch
+
+    env = os.environ if environ is None else environ
+    before = env.get("OMP_NUM_THREADS")
+    torch.set_num_threads(n)
+    if torch.get_num_interop_threads() != n:
+        try:
+            torch.set_num_interop_threads(n)
+        except RuntimeError:  # settable once per process; eager ops never run on the inter-op pool
+            pass
+    env.update({var: str(n) for var in THREAD_VARS})
+    if before is None or before == str(n):
+        return None
+    return (f"note: {n} CPU thread(s) per rank from cluster.cpus_per_task (OMP_NUM_THREADS={before} from "
+            "the environment is not used: set cluster.cpus_per_task)")
+
+
 _ACCELERATOR = None  # what setup() chose for this process while its group lives
 
 
 def setup(cfg) -> str:
-    """This process's one setup for a stage: decide the accelerator on this node, read rank/world/
-    master from the environment (a launcher's or SLURM's; engine.master_addr/master_port under SLURM
-    alone), export them for DeepSpeed, and join the process group (a group of one for a single
-    process: DeepSpeed needs one); returns 'cuda' or 'cpu'.
+    """This process's one setup for a stage: take its CPU threads from cluster.cpus_per_task
+    (:func:`use_cpu_threads`, the same under every launcher), decide the accelerator on this node, read
+    rank/world/master from the environment (a launcher's or SLURM's; engine.master_addr/master_port
+    under SLURM alone), export them for DeepSpeed, and join the process group (a group of one for a
+    single process: DeepSpeed needs one); returns 'cuda' or 'cpu'.
 
     The config asks for GPUs with engine.backend=nccl or cluster.gpus_per_node > 0 (the B/L/H
     recipes): without usable CUDA that is an AcceleratorError under every launcher (torchrun,
@@ -445,6 +475,9 @@ def setup(cfg) -> str:
     global _ACCELERATOR
     import torch.distributed as dist
 
+    note = use_cpu_threads(cfg.cluster.cpus_per_task)
+    if note:
+        rank0_print(note, file=sys.stderr)
     if _ACCELERATOR is not None and dist.is_initialized():
         return _ACCELERATOR
     kind = choose_accelerator(cfg.engine.backend, cfg.cluster.gpus_per_node)

@@ -26,11 +26,16 @@ def repo_root() -> Path:
 def _environment_as_found():
     """A stage run inside the test process exports the torch.distributed variables
     (pipeline.distributed.setup: WORLD_SIZE=1, ...); the next test starts from the environment this
-    one found, whatever it ran."""
+    one found, whatever it ran, and with the torch thread count it found (setup sets the config's:
+    cluster.cpus_per_task)."""
     saved = dict(os.environ)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch else None
     yield
     os.environ.clear()
     os.environ.update(saved)
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 SERVICE_MARKS = ("mlflow_server", "slurm")

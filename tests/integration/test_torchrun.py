@@ -1,8 +1,10 @@
-"""torchrun, as Kubernetes training operators, torchx and SkyPilot start a stage: its agent already
-serves the rendezvous store on MASTER_PORT, and the ranks join it. The same tiny pre-training under
-`torchrun --nproc_per_node 2 -m launch.cli pretrain ...` and under vitp's own 2-rank launcher logs the
-same losses and ends with the same weights, bit for bit. The launcher's side is the session's ZeRO-2
-reference run (tests/conftest.py's tiny_reference), which the pre-training tests make anyway."""
+"""One command, three launchers, the same bits. torchrun (as Kubernetes training operators, torchx and
+SkyPilot start a stage: its agent already serves the rendezvous store on MASTER_PORT and the ranks join
+it), vitp's own 2-rank launcher (`run_local`) and `vitp submit --cluster local` (submitit's local
+executor, as a SLURM task: no OMP_NUM_THREADS of its own) run the same tiny pre-training over `vitp prep`
+shards of real images. Each rank takes its CPU threads from cluster.cpus_per_task
+(pipeline.distributed.use_cpu_threads), whatever its launcher put in OMP_NUM_THREADS, so the logged
+losses and the final weights are equal bit for bit, at 1 thread per rank and at 2."""
 
 import json
 import os
@@ -14,14 +16,28 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from launch.local import run_local
 from pipeline.distributed import free_port
-from tests.integration.test_pretrain import COMMON, SYNTHETIC, TINY
+from tests.data_prep_fixtures import build_corpus, vitp_prep
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
-# the reference's settings exactly (6 steps, a checkpoint every 2, ZeRO-2): its run is vitp's launcher's
-ARGS = ["--config", TINY, *COMMON, *SYNTHETIC, "engine.zero_stage=2"]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("shards")
+    build_corpus(d / "images", n_good_per_class=12)
+    vitp_prep(d / "images", d / "shards")
+    return d / "shards"
+
+
+def stage_args(data: Path, cpus: int) -> list[str]:
+    # depth 1, 4 steps: enough for 1 thread against 2 to show in the weights (fp32 sums in another order)
+    return ["--config", str(ROOT / "configs/pretrain/tiny_cpu.yaml"), f"data.path={data}", "data.val_split=",
+            "model.depth=1", "train.steps=4", "train.log_every=1", "checkpoint.every=2", "tracking.enabled=false",
+            "schedule.warmup_steps=2", "schedule.decay=constant", f"cluster.cpus_per_task={cpus}"]
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -29,19 +45,35 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
 
 
-def test_torchrun_runs_a_stage_like_vitps_own_launcher(tiny_reference, tmp_path):
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun)] if torchrun.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+def vitp_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    r = subprocess.run([*cmd, "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "launch.cli",
-                        "pretrain", *ARGS, f"run.dir={tmp_path / 'torchrun'}"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return env
+
+
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_torchrun_submit_and_vitps_own_launcher_give_the_same_bits(shards, tmp_path, monkeypatch, cpus):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a user's shell: each launcher does what it does
+    args = stage_args(shards, cpus)
+    # torchrun's console script is this module's main; through this interpreter every launcher's ranks run
+    # the same python path (DeepSpeed's JIT-built CPU comm op is rebuilt when its include paths change)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        str(free_port()), "-m", "launch.cli", "pretrain", *args, f"run.dir={tmp_path / 'torchrun'}"],
+                       cwd=ROOT, env=vitp_env(), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "pretrain: 2 rank(s)" in r.stdout
+    assert run_local(["pretrain", *args, f"run.dir={tmp_path / 'local'}"], 2, timeout=900) == 0
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "submit", "pretrain", "--cluster", "local", *args,
+                        f"run.dir={tmp_path / 'submit'}", f"cluster.log_dir={tmp_path / 'jobs'}", "--wait"],
+                       cwd=ROOT, env=vitp_env(), capture_output=True, text=True, timeout=900,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
-    a, b = tmp_path / "torchrun", tiny_reference(2)  # b: launch.local.run_local, 2 ranks
-    assert sorted(losses(a)) == [1, 2, 3, 4, 5, 6] and losses(a) == losses(b)
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert (a / "checkpoints/LATEST").read_text() == (b / "checkpoints/LATEST").read_text()
+    runs = [tmp_path / "torchrun", tmp_path / "local", tmp_path / "submit"]
+    assert sorted(losses(runs[0])) == [1, 2, 3, 4]
+    assert losses(runs[1]) == losses(runs[0]) and losses(runs[2]) == losses(runs[0])
+    w = [load_file(str(run / "model.safetensors")) for run in runs]
+    for other in w[1:]:
+        assert other.keys() == w[0].keys()
+        assert [k for k in w[0] if not torch.equal(w[0][k], other[k])] == []
+    assert len({(run / "checkpoints/LATEST").read_text() for run in runs}) == 1

@@ -83,3 +83,15 @@ def test_the_stage_command_refuses_before_training(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert lines[-1].startswith("error: cluster.gpus_per_node=1 asks for GPUs but CUDA is not usable")
     assert lines[-1].endswith("override cluster.gpus_per_node=0") and not (tmp_path / "r").exists()
+
+
+def test_a_ranks_threads_come_from_cpus_per_task_whatever_the_launcher_put_in_the_environment(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's, for every rank it starts
+    note = pd.use_cpu_threads(2)
+    assert torch.get_num_threads() == 2  # the intra-op pool the training math runs on
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "2"  # for the rank's children
+    assert note == ("note: 2 CPU thread(s) per rank from cluster.cpus_per_task (OMP_NUM_THREADS=1 from the "
+                    "environment is not used: set cluster.cpus_per_task)")
+    assert pd.use_cpu_threads(2) is None  # nothing to say when the environment agrees (a second setup)
+    monkeypatch.delenv("OMP_NUM_THREADS")  # submitit's local executor, a SLURM task: nothing set
+    assert pd.use_cpu_threads(1) is None and torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.files import read_jsonl
+from pipeline.files import append_jsonl, read_jsonl
 
 EVENTS = "events.jsonl"
 ATTEMPT_MARK = "vitp: attempt {restart} of job {job} starts"  # echoed by the batch script (setup)
@@ -50,12 +50,11 @@ NOT_RETRIED = {"ConfigError", "DataError", "RunDirError", "RunDirBusy", "NonFini
 
 def append_event(folder: str | os.PathLike, event: dict) -> None:
     """One line per attempt end; an append of one short line does not interleave with another."""
-    with open(Path(folder) / EVENTS, "a") as f:
-        f.write(json.dumps({"time": time.time(), **event}, sort_keys=True) + "\n")
+    append_jsonl(Path(folder) / EVENTS, [{"time": time.time(), **event}], sort_keys=True)
 
 
 def read_events(folder: str | os.PathLike) -> list[dict]:
-    return read_jsonl(Path(folder) / EVENTS, skip_cut=True)
+    return read_jsonl(Path(folder) / EVENTS)
 
 
 def count(events: list[dict], kind: str) -> int:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from launch.cli import CommandFailed, run_command
+from pipeline.files import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN_RECIPE = ROOT / "configs/pretrain/tiny_cpu.yaml"
@@ -166,14 +167,14 @@ def run_demo(out: Path, *, data: Path | None = None, nprocs: int = 2, pretrain_s
 
 
 def _last_metric(run_dir: Path, key: str):
-    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    lines = read_jsonl(run_dir / "metrics.jsonl")
     vals = [r[key] for r in lines if key in r]
     return round(vals[-1], 4) if vals else None
 
 
 def _metric_curve(run_dir: Path, key: str) -> dict[int, float]:
     """{step: value} of ``key`` in a run's metrics.jsonl."""
-    lines = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    lines = read_jsonl(run_dir / "metrics.jsonl")
     return {r["step"]: round(r[key], 4) for r in lines if key in r}
 
 

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.files import read_jsonl
+from pipeline.files import append_jsonl, read_jsonl
 
 from .attempts import describe, read_events
 from .cli import print_error
@@ -34,12 +34,11 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 def append_index(log_dir: str | os.PathLike, entry: dict) -> None:
     d = Path(log_dir)
     d.mkdir(parents=True, exist_ok=True)
-    with open(d / INDEX, "a") as f:  # one short line per write: appends do not interleave
-        f.write(json.dumps(entry, sort_keys=True) + "\n")
+    append_jsonl(d / INDEX, [entry], sort_keys=True)
 
 
 def read_index(log_dir: str | os.PathLike) -> list[dict]:
-    return read_jsonl(Path(log_dir) / INDEX, skip_cut=True)
+    return read_jsonl(Path(log_dir) / INDEX)
 
 
 class UnknownJob(ValueError):

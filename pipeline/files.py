@@ -16,7 +16,8 @@ import contextlib
 import json
 import os
 import uuid
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -59,21 +60,63 @@ def write_json(path: str | os.PathLike, doc, *, fsync: bool = False, indent: int
     return atomic_write(path, json.dumps(doc, indent=indent, sort_keys=True) + "\n", fsync=fsync)
 
 
-def read_jsonl(path: str | os.PathLike, *, skip_cut: bool = False) -> list[dict]:
-    """The records of a JSON-lines file ([] when it does not exist); blank lines are skipped.
+class CutLines(UserWarning):
+    """Lines of an append-only JSON-lines file that are not JSON, dropped by :func:`read_jsonl`."""
 
-    ``skip_cut``: a line that is not JSON (cut short by a crash mid-append) is skipped, so one lost
-    line does not hide the others (append-only logs: the job index, the attempt events)."""
+
+_warned: set[tuple[str, tuple[int, ...]]] = set()  # (file, its bad lines) already reported by this process
+
+
+def read_jsonl(path: str | os.PathLike, *, name: str | os.PathLike | None = None) -> list[dict]:
+    """The records of an append-only JSON-lines file ([] when it does not exist); blank lines are skipped.
+
+    A line that is not a JSON object is dropped: the last append cut short by a full disk or a crash, a
+    tail of NUL bytes (what ext4 and NFS can leave where a crash lost the data), a cut line that later
+    appends went on after (:func:`append_jsonl` starts each on a fresh line). One :class:`CutLines`
+    warning per file names it (``name``: the name to show, for a file read under a temporary one) and
+    the line numbers; the rest is used, so one lost record neither hides the others nor blocks a resume.
+    """
     p = Path(path)
-    if not p.is_file():
+    try:
+        data = p.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return []
-    out = []
-    for line in p.read_text().splitlines():
+    records, bad = [], []
+    for number, line in enumerate(data.split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if not skip_cut:
-                raise
-    return out
+            record = json.loads(line.decode("utf-8"))
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad.append(number)
+    shown = str(name or p)
+    if bad and (shown, tuple(bad)) not in _warned:
+        _warned.add((shown, tuple(bad)))
+        at = ", ".join(map(str, bad[:10])) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        warnings.warn(f"{shown}: skipped what is not JSON (an append cut by a full disk or a crash) at "
+                      f"line{'s' * (len(bad) > 1)} {at}; using the other {len(records)} records",
+                      CutLines, stacklevel=2)
+    return records
+
+
+def append_jsonl(path: str | os.PathLike, records: Iterable[dict], *, sort_keys: bool = False) -> None:
+    """Append ``records`` to a JSON-lines file, one line each, in one write (short appends from several
+    processes do not interleave). The append starts on a fresh line: when an earlier one was cut short
+    (no newline at the end, or a NUL tail), a record written onto it would be dropped with it."""
+    data = "".join(json.dumps(r, sort_keys=sort_keys) + "\n" for r in records).encode()
+    if not data:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        view = memoryview(data)
+        while view:  # a full disk may take part of it, then raise on the next write
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -286,6 +287,26 @@ class TrackingCfg(Section):
     # more places for rank 0's records, besides metrics.jsonl and MLflow: "package.module:Class", a
     # pipeline.tracking.Sink subclass built as Class(run_dir)
     sinks: List(Str) = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _store(self):
+        # MLflow opens a file: URI or a bare path (`./mlruns`, `none`) as its file store, which it keeps
+        # in maintenance mode and refuses after start-up in a multi-line exception: refuse it here
+        if self.enabled and self.uri and _file_store(self.uri):
+            raise _problem(f"tracking.uri: {self.uri!r} is MLflow's file store (a file: URI or a folder), which "
+                           "MLflow keeps in maintenance mode and vitp does not support; use a database "
+                           "(sqlite:///PATH/mlflow.db) or a server (http://HOST:PORT), or set tracking.enabled=false "
+                           "to turn tracking off")
+        return self
+
+
+def _file_store(uri: str) -> bool:
+    """Whether MLflow reads ``uri`` as its file store: scheme ``file`` or none (a one-letter scheme is a
+    Windows drive), except its bare names of remote stores (mlflow/tracking/registry.py)."""
+    if uri in ("databricks", "databricks-uc", "uc"):
+        return False
+    scheme = urllib.parse.urlparse(uri).scheme
+    return scheme in ("", "file") or (len(scheme) == 1 and scheme.isalpha())
 
 
 class HardwareCfg(Section):

@@ -2,7 +2,8 @@
 
 Rank 0 appends a line per ``log`` call and closes the file after each one, so a killed job loses
 no record it logged. A resumed job first drops the records after the step it resumes from (it
-runs those steps again and logs them anew): the file then equals an uninterrupted run's.
+runs those steps again and logs them anew), and any line a full disk or a crash cut short
+(pipeline/files.py ``read_jsonl``): the file then equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -11,28 +12,26 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.files import atomic_write, read_jsonl
+from pipeline.files import append_jsonl, atomic_write, read_jsonl
 from pipeline.tracking.sink import Sink
 
 METRICS = "metrics.jsonl"
 
 
 class JsonlSink(Sink):
-    """Appends records to ``path``. ``keep_up_to``: a resumed run's step; records past it are dropped
-    (rewritten atomically). ``records``: what the file holds, kept up to date in memory (the few-shot
-    evaluators and the loss curve read it)."""
+    """Appends records to ``path``. An existing file is rewritten at the start (atomically, on stable
+    storage before the first append) without the lines that are not JSON and, ``keep_up_to`` (a resumed
+    run's step), without the records past it. ``records``: what the file holds, kept up to date in memory
+    (the few-shot evaluators and the loss curve read it)."""
 
     def __init__(self, path: str | Path, keep_up_to: int | None = None):
         self.path = Path(path)
         self.records: list[dict] = []
         if self.path.is_file():
-            self.records = list(read_jsonl(self.path))
-            if keep_up_to is not None:
-                self.records = [r for r in self.records if r["step"] <= keep_up_to]
-                atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            self.records = [r for r in read_jsonl(self.path) if keep_up_to is None or r["step"] <= keep_up_to]
+            atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in self.records), fsync=True)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         record = {"step": step, **metrics}
         self.records.append(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(self.path, [record])

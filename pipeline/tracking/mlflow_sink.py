@@ -26,7 +26,6 @@ or shown only redacted (pipeline/secrets.py).
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import queue
 import sys
@@ -38,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipeline.files import read_jsonl
 from pipeline.secrets import redact
 from pipeline.tracking.mlflow_store import SPOOL, Delivery, refusal
 from pipeline.tracking.sink import Sink
@@ -107,12 +107,11 @@ class MlflowSink(Delivery, Sink):
     @staticmethod
     def spooled(run_dir: str | os.PathLike) -> int:
         """How many records (metrics, tags, artifacts, run ends) wait in ``RUN_DIR/mlflow_spool.jsonl``."""
-        p = Path(run_dir) / SPOOL
         try:
-            lines = p.read_text().splitlines()
+            ops = read_jsonl(Path(run_dir) / SPOOL)
         except OSError:
             return 0
-        return sum(1 for line in lines if line.strip() and json.loads(line).get("op") != "run")
+        return sum(1 for op in ops if op.get("op") != "run")
 
     @staticmethod
     def outcome(run_dir: str | os.PathLike) -> str:

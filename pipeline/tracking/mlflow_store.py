@@ -18,6 +18,7 @@ import uuid
 import warnings
 from pathlib import Path
 
+from pipeline.files import append_jsonl, read_jsonl
 from pipeline.secrets import has_secret, redact, restore
 
 # Fail fast and let our thread retry: mlflow's own retries would stall the queue for minutes.
@@ -149,7 +150,7 @@ class Delivery:
             os.rename(self._spool, mine)
         except FileNotFoundError:
             return []
-        ops = [json.loads(line) for line in mine.read_text().splitlines() if line.strip()]
+        ops = read_jsonl(mine, name=self._spool)  # an append a full disk or a crash cut is dropped
         mine.unlink()
         return ops
 
@@ -158,9 +159,7 @@ class Delivery:
         ops = [dict(op, run_id=op.get("run_id") or self._runs.get(op.get("run_key"))) for op in self._pending]
         if not ops:
             return 0
-        with open(self._spool, "a") as f:
-            for op in ([header] if header else []) + ops:
-                f.write(json.dumps(op) + "\n")
+        append_jsonl(self._spool, ([header] if header else []) + ops)
         self._pending = []
         return len(ops)
 

@@ -138,3 +138,24 @@ def test_stranded_runs_are_finished_by_vitp_sync(mlflow_server, tmp_path):
     # ended when the job ended, not when it was synced
     assert (b_dir / "model.safetensors").stat().st_mtime * 1000 <= runs["b"].info.end_time < back * 1000
     assert {d.dataset.name for d in runs["b"].inputs.dataset_inputs} == {"synthetic/train", "synthetic/val"}
+
+
+def test_vitp_sync_of_a_cut_spool_delivers_the_rest(mlflow_server, tmp_path):
+    """A spool whose appends a full disk cut (a cut line in the middle, a NUL tail at the end): `vitp sync`
+    warns once naming the spool and the lines, and delivers every whole record."""
+    exp, key, now = f"cut-{uuid.uuid4().hex[:10]}", uuid.uuid4().hex, int(time.time() * 1000)
+    ops = [{"op": "run", "run_key": key, "run_id": None, "resume": False, "uri": mlflow_server, "experiment": exp,
+            "run_name": "cut", "params": {}}]
+    ops += [{"op": "metric", "run_key": key, "key": "loss", "value": 1.0 / s, "ts": now + s, "step": s}
+            for s in range(1, 7)]
+    ops += [{"op": "end", "run_key": key, "status": "FINISHED", "ts": now + 7}]
+    lines = [json.dumps(o) for o in ops]
+    lines[3] = lines[3][:40]  # step 3's record, cut; later appends went on after it
+    (tmp_path / SPOOL).write_bytes(("\n".join(lines) + "\n").encode() + b"\0" * 500)
+    r = vitp("sync", str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stderr.count(f"{tmp_path / SPOOL}: skipped") == 1 and "lines 4, 9;" in r.stderr, r.stderr
+    c = MlflowClient(mlflow_server)
+    (run,) = c.search_runs([c.get_experiment_by_name(exp).experiment_id])
+    assert steps(c, run.info.run_id, "loss") == [1, 2, 4, 5, 6] and run.info.status == "FINISHED"
+    assert not (tmp_path / SPOOL).exists()

@@ -366,6 +366,30 @@ def test_mlflow_outage_mid_run_loses_nothing(tmp_path, mlflow_server, capfd):
                                                                            for m in hist]
 
 
+def test_a_full_disk_then_space_freed_resumes_exactly(reference, tmp_path):
+    """The run dir on a tmpfs with room for about two checkpoints, tracking at a server that is down
+    (so every metric is also spooled): the run fills the disk and exits non-zero, its last appends
+    cut; once space is freed the same command ends as the uninterrupted run, the cut lines dropped."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5M", "tmpfs", str(disk)], check=True)
+    try:
+        run = disk / "run"
+        down = ["tracking.enabled=true", "tracking.uri=http://127.0.0.1:9", "tracking.flush_every_s=0.2",
+                "tracking.close_timeout_s=1", "engine.zero_stage=2"]
+        assert pretrain(run, *down) != 0
+        assert (run / "mlflow_spool.jsonl").is_file()
+        subprocess.run(["mount", "-o", "remount,size=64M", str(disk)], check=True)
+        assert pretrain(run, *down) == 0
+        assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+        assert losses(run) == losses(reference(2))
+        assert_same_weights(run, reference(2))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_consolidated_weights_and_export(reference, tmp_path, stage):
     """model.safetensors == the fp32 weights joined from the ZeRO files; timm export renames only."""

@@ -126,3 +126,22 @@ def test_help_and_mistakes_answer_without_loading_the_stage(tmp_path):
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     assert json.loads(line[-1][len("RESULT "):]) == {}
+
+
+@pytest.mark.parametrize("uri", ["file:///some/dir", "./mlruns", "none"])
+@pytest.mark.parametrize("command", [["pretrain"], ["submit", "pretrain", "--cluster", "local"]])
+def test_a_file_store_tracking_uri_is_refused_before_anything_starts(command, uri, tmp_path, monkeypatch, capfd):
+    """MLflow's file store (a file: URI, a bare path; `none` is one too) would die after start-up in
+    MLflow's multi-line maintenance-mode exception: refused at the config, under both commands."""
+    monkeypatch.chdir(tmp_path)
+    where = ["run.dir=run", "cluster.log_dir=jobs", "data.path=synthetic", "cluster.tasks_per_node=1"]
+    assert main([*command, "--config", TINY, *where, f"tracking.uri={uri}"]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"error: tracking.uri: {uri!r} ") and "file store" in err and "maintenance mode" in err, err
+    assert "sqlite:///" in err and "tracking.enabled=false" in err, err
+    assert list(tmp_path.iterdir()) == []  # no run dir, no job folder, no index, no mlruns
+    # the same URI with tracking off is no mistake: nothing would open it
+    from pipeline.config import load_config
+
+    assert load_config(TINY, [f"tracking.uri={uri}", "tracking.enabled=false"]).tracking.uri == uri

@@ -229,6 +229,12 @@ class TrainCfg(Section):
                               f"{world_size} x train.micro_batch {self.micro_batch}")
 
 
+# The dtype DeepSpeed reduces gradients over the ranks in, whatever engine.precision is: the generated
+# config's `communication_data_type` (pipeline/train/engine.py) and the traffic `vitp plan` counts
+# (pipeline/plan/cost.py, memory.py) both read it, so they cannot drift apart.
+REDUCE_DTYPE = "fp32"
+
+
 class EngineCfg(Section):
     precision: one_of("fp32", "bf16", "fp16") = "fp32"
     zero_stage: Int = Field(1, ge=0, le=3)

@@ -6,12 +6,17 @@ Memory per GPU comes from pipeline/plan/memory.py. Time per step is the slower o
 communication, assuming DeepSpeed overlaps them fully (step = max(compute, comm)):
 - compute: `train_step_flops` (3x forward, 4x with activation checkpointing) of the rank's share of the
   global batch, at hardware.peak_tflops x hardware.assumed_mfu;
-- communication per rank by ZeRO stage, ring collectives moving (n-1)/n of a buffer each:
-  stages 0-1 all-reduce the gradients once per step (2 (n-1)/n G; stage 1 with bf16 and fp32
-  accumulation, DeepSpeed's BF16_Optimizer, then all-gathers the updated parameters: 3 (n-1)/n G);
-  stage 2 reduce-scatters them every micro step and all-gathers the updated parameters once; stage 3
-  adds a parameter all-gather in forward and in backward of every micro step (1.5x of stage 0 and 2
-  without accumulation). The ring runs at hardware.inter_node_gbps when nodes > 1, else
+- communication per rank by ZeRO stage, ring collectives moving (n-1)/n of a buffer each. Gradients
+  travel in REDUCE_DTYPE (fp32: the engine's `communication_data_type`; Gr = P x 4 bytes), parameters in
+  the model dtype (Gw = P x 2 bytes in bf16/fp16). Checked against deepspeed 0.19.8:
+  stage 0 all-reduces the gradients once per step (engine.allreduce_bucket casts to fp32: 2 (n-1)/n Gr);
+  stage 1 reduces them into the owned partitions once per step and all-gathers the updated parameters
+  ((n-1)/n (Gr + Gw)), or with bf16 and fp32 accumulation (DeepSpeed's BF16_Optimizer) all-reduces its
+  fp32 gradient buffer and all-gathers the bf16 parameters (bf16_optimizer.py: 2 (n-1)/n Gr + (n-1)/n Gw);
+  stage 2 reduce-scatters them every micro step (average_tensor casts each bucket) and all-gathers the
+  updated parameters once ((n-1)/n (a Gr + Gw), a micro steps); stage 3 reduce-scatters every micro step
+  (stage3.py casts each bucket) and all-gathers the parameters in forward and in backward of every micro
+  step ((n-1)/n a (Gr + 2 Gw)). The ring runs at hardware.inter_node_gbps when nodes > 1, else
   hardware.intra_node_gbps (GB/s per GPU).
 Cost is given in GPU-hours and in the paper's unit, TPUv3-core-days, at the same MFU.
 With model.patch_drop the steps up to train.patch_drop_until (all, if unset) compute the kept tokens
@@ -24,6 +29,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from pipeline.config.sections import REDUCE_DTYPE
 from pipeline.plan.memory import BYTES, GiB, ModelShape, fp32_accumulation_path, memory_per_rank
 
 TPU_V3_CORE_TFLOPS = 61.5  # 123 TFLOP/s bf16 per TPUv3 chip, 2 cores per chip
@@ -104,6 +110,23 @@ def _largest_micro_batch(shape, mem_kw, budget: float, upper: int) -> int:
     return lo
 
 
+def comm_bytes(params: int, precision: str, zero_stage: int, world_size: int, accumulation: int = 1, *,
+               offload_optimizer: bool = False) -> float:
+    """Bytes one rank sends per optimizer step (ring collectives, see the module docstring)."""
+    Gw = params * BYTES[precision]  # parameters, in the model dtype
+    Gr = params * BYTES[REDUCE_DTYPE]  # gradients, in the reduction dtype
+    ring = (world_size - 1) / world_size
+    if zero_stage == 0:
+        return 2 * ring * Gr
+    if zero_stage == 1 and fp32_accumulation_path(precision, 1, offload_optimizer=offload_optimizer):
+        return ring * (2 * Gr + Gw)  # BF16_Optimizer: all-reduce fp32 grads, all-gather bf16 params
+    if zero_stage == 1:
+        return ring * (Gr + Gw)
+    if zero_stage == 2:
+        return ring * (Gr * accumulation + Gw)
+    return ring * (Gr + 2 * Gw) * accumulation
+
+
 def step_time(cfg, shape: ModelShape, patch_drop: float | None = None) -> dict:
     """Seconds per optimizer step: compute, communication (per collective) and the step under overlap;
     ``patch_drop``: of a step that drops this fraction of patches (default model.patch_drop)."""
@@ -120,17 +143,7 @@ def step_time(cfg, shape: ModelShape, patch_drop: float | None = None) -> dict:
                                   patch_drop=pd)
     model_flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=False, patch_drop=pd)
     compute = flops_rank / (hw.peak_tflops * 1e12 * hw.assumed_mfu)
-    w = BYTES[e.precision]
-    G = shape.params * w  # one full copy of the gradients (or parameters) in the model dtype
-    ring = (n - 1) / n
-    if e.zero_stage == 1 and fp32_accumulation_path(e.precision, 1, offload_optimizer=e.offload_optimizer):
-        volume = 3 * ring * G  # BF16_Optimizer: all-reduce the whole gradient, all-gather the parameters
-    elif e.zero_stage <= 1:
-        volume = 2 * ring * G
-    elif e.zero_stage == 2:
-        volume = ring * G * accum + ring * G
-    else:
-        volume = 3 * ring * G * accum
+    volume = comm_bytes(shape.params, e.precision, e.zero_stage, n, accum, offload_optimizer=e.offload_optimizer)
     bw = (hw.inter_node_gbps if c.nodes > 1 else hw.intra_node_gbps) * 1e9
     comm = volume / bw
     return {"flops_per_rank": flops_rank, "flops_per_step": flops_rank * n, "compute_s": compute,

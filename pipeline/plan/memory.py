@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pipeline.config.sections import REDUCE_DTYPE
+
 GiB = 2**30
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 CUDA_CONTEXT = int(1.0 * GiB)  # CUDA context + NCCL communicators, outside torch's allocator
@@ -195,20 +197,26 @@ def buffer_bytes(shape: ModelShape, *, precision: str, zero_stage: int, world_si
     Stage 1 on the fp32-accumulation path (BF16_Optimizer) has no reduce buckets: after backward it
     all-reduces its fp32 gradient buffer through a flat fp32 copy and its bf16 cast (6P, counted with
     the optimizer temporaries: it lives after backward, before the step).
+    Gradients are reduced in REDUCE_DTYPE (the engine's `communication_data_type`): stages 0 and 2 stage
+    a bucket in the model dtype (stage 1 in the accumulation dtype) and cast it to a reduction-dtype
+    copy for the collective (engine.allreduce_bucket, stage_1_and_2.allreduce_bucket and
+    _gradient_reduction_buffer_dtype); ZeRO-3's buckets are in the reduction dtype already.
     """
-    w, P = BYTES[precision], shape.params
+    w, P, r = BYTES[precision], shape.params, BYTES[REDUCE_DTYPE]
+    stage = BYTES[grad_accum or grad_accum_dtype(precision, zero_stage)] if zero_stage == 1 else w
+    cast = r if r != stage else 0  # the reduction-dtype copy of a bucket in flight
     touched = (lambda k: min(k, P)) if backend == "cpu" else (lambda k: k)
     if overlap_comm is None:
         overlap_comm = backend == "cuda"
     out = {"grad_bucket": 0.0, "param_gather": 0.0, "optimizer_temp": 0.0, "context": 0.0}
     if zero_stage == 0:
-        out["grad_bucket"] = w * touched(allreduce_bucket_size)  # flattened all-reduce bucket
+        out["grad_bucket"] = (w + cast) * touched(allreduce_bucket_size)  # flattened all-reduce bucket
     elif zero_stage == 1 and fp32_accumulation_path(precision, 1, grad_accum, offload_optimizer):
         out["optimizer_temp"] = 6.0 * P
     elif zero_stage in (1, 2):
-        out["grad_bucket"] = (2 if overlap_comm else 1) * w * touched(reduce_bucket_size)
+        out["grad_bucket"] = ((2 if overlap_comm else 1) * stage + cast) * touched(reduce_bucket_size)
     else:
-        out["grad_bucket"] = 2 * w * touched(reduce_bucket_size)
+        out["grad_bucket"] = 2 * r * touched(reduce_bucket_size)
         out["param_gather"] = w * min(max_live_parameters, P)
         if offload_params:
             out["param_gather"] = 2 * w * shape.largest_layer

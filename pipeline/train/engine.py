@@ -26,6 +26,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from pipeline.config.sections import REDUCE_DTYPE
 from pipeline.distributed import bound_collectives, comm_device
 
 
@@ -198,7 +199,7 @@ def _precision(precision: str, zero_stage: int) -> dict:
       parameter after backward with both copies alive.
     """
     out: dict = {
-        "communication_data_type": "fp32",
+        "communication_data_type": REDUCE_DTYPE,
         "bf16": {"enabled": precision == "bf16", "immediate_grad_update": True, "check_grad_overflow": False},
         "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},

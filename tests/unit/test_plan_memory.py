@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.model.vit import build_vit
-from pipeline.plan.memory import ModelShape, activation_bytes, memory_per_rank, model_states
+from pipeline.plan.memory import ModelShape, activation_bytes, buffer_bytes, memory_per_rank, model_states
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +79,18 @@ def test_plan_counts_the_accumulation_dtype_the_engine_writes(precision):
                                                             f"engine.precision={precision}"], world_size=2)
         ds = deepspeed_config(cfg, world_size=2)
         assert ds.get("data_types", {}).get("grad_accum_dtype", precision) == grad_accum_dtype(precision, stage)
+
+
+def test_gradient_buckets_count_the_fp32_reduction(shapes):
+    """bf16 model, fp32 reduction, 50M-element reduce buckets (500M at stage 0), overlap_comm on CUDA:
+    stages 0 and 2 stage a bf16 bucket and cast it to fp32 for the collective (2 + 4 bytes; stage 2 two
+    staging buffers); ZeRO-3's two buckets are fp32."""
+    b = lambda stage, prec="bf16": buffer_bytes(shapes["vit_l16"], precision=prec, zero_stage=stage,
+                                                world_size=8)["grad_bucket"]
+    assert b(0) == (2 + 4) * 500_000_000
+    assert b(2) == (2 * 2 + 4) * 50_000_000
+    assert b(3) == 2 * 4 * 50_000_000
+    assert b(2, "fp32") == 2 * 4 * 50_000_000  # nothing to cast
 
 
 def test_more_ranks_less_memory_under_zero3_not_under_stage0(shapes):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 
 
@@ -134,7 +135,11 @@ def off_node_interface(master_addr: str, env) -> str:
     if name:
         return name
     where = f"no other node of SLURM_JOB_NODELIST={nodelist}" if nodelist else "no node list"
-    raise InterfaceError(f"MASTER_ADDR {master_addr} is this node's loopback address ({route_source(master_addr)}), "
+    try:  # the address the name resolves to (127.0.1.1), not the source of its route (lo's 127.0.0.1)
+        resolved = socket.gethostbyname(master_addr)
+    except OSError:
+        resolved = route_source(master_addr)
+    raise InterfaceError(f"MASTER_ADDR {master_addr} is this node's loopback address ({resolved}), "
                          f"{where} routes off it and there is no default route: set GLOO_SOCKET_IFNAME to the "
                          "interface the other nodes reach")
 

@@ -1,5 +1,7 @@
 """Config → DeepSpeed JSON, the optimizer/param-group plumbing, schedules and the synthetic loader."""
 
+import sys
+
 import pytest
 import torch
 
@@ -107,6 +109,12 @@ def one_rank(monkeypatch):
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    # DeepSpeed keeps the groups it made (its clone of the world, the data-parallel group) in module
+    # globals, released only when the group is destroyed through deepspeed.comm: a later engine in
+    # this process would broadcast over a destroyed group
+    ds_groups = sys.modules.get("deepspeed.utils.groups")
+    if ds_groups is not None:
+        ds_groups._release_process_group_references()
 
 
 def test_collective_timeout_bounds_every_group_deepspeed_made_too(one_rank):

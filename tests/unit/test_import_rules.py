@@ -43,7 +43,7 @@ STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate", "pipeli
 LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan",
            "pipeline.tracking")
 GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeline.model", "pipeline.files",
-          "pipeline.driver", "pipeline.secrets", "pipeline.rundir")
+          "pipeline.driver", "pipeline.secrets", "pipeline.rundir", "pipeline.threads")
 # faults is a library module (its pause gate reads pipeline.train.stopping, lazily) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
 DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults"}

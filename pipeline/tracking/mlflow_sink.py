@@ -271,12 +271,15 @@ class MlflowSink(Delivery, Sink):
             self._wake.wait(self._every)  # batch whatever arrived meanwhile into few requests
             self._wake.clear()
             self._drain()
-            try:
-                with self._lock:
+            with self._lock:  # a refusal is announced before close() may take the lock and spool
+                try:
                     self._deliver()
-            except Exception as e:  # server down or slow: keep the records, retry later
-                if self._refused or self._refuse(e):
-                    return  # close() spools what is pending; flush sees this thread gone
+                    e = None
+                except Exception as failed:  # server down or slow: keep the records, retry later
+                    e = failed
+                    if self._refused or self._refuse(e):
+                        return  # close() spools what is pending; flush sees this thread gone
+            if e is not None:
                 if self._down_since is None:
                     self._down_since = time.monotonic()
                     warnings.warn(f"MLflow at {self.uri} unreachable ({type(e).__name__}: {redact(str(e))[:200]}); "

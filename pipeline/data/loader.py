@@ -139,9 +139,33 @@ def _unwire(batch: tuple) -> tuple:
 
 def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
     """The dataset's items through ``workers`` processes (0: in this process), as tensors."""
-    src = ds if workers <= 0 else DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker,
-                                             collate_fn=collate_as_is, pin_memory=pin_memory, persistent_workers=False)
-    return _one_line_errors(map(_unwire, src))
+    if workers <= 0:
+        yield from _one_line_errors(map(_unwire, ds))
+        return
+    it = iter(DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker,
+                         collate_fn=collate_as_is, pin_memory=pin_memory, persistent_workers=False))
+    try:
+        yield from _one_line_errors(map(_unwire, it))
+    finally:
+        _end_workers(it)
+
+
+def _end_workers(it) -> None:
+    """Workers of a loader left before its end (a read error, a consumer that stops early) end now.
+    They may be inside a fetch (a slow or refused read retrying), and they ignore TERM (_init_worker),
+    so torch's own shutdown would wait 2 x 5 s for each before giving up on it, whenever the iterator
+    happens to be collected. They get KILL, as at exit (_kill_workers_at_exit); torch's shutdown then
+    only reaps them. A loader that reached its end has shut its workers down already (nothing to do)."""
+    if getattr(it, "_shutdown", True):
+        return
+    from torch.utils.data._utils import signal_handling
+
+    if it._worker_pids_set:  # torch's SIGCHLD check would report each killed worker as a crash
+        signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
+    for w in it._workers:
+        w.kill()
+    it._shutdown_workers()
 
 
 def _one_line_errors(batches):

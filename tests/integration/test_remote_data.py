@@ -9,6 +9,7 @@ from the local folder.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -200,6 +201,8 @@ def test_a_shard_that_never_answers_is_skipped_and_counted_or_stops_the_run(prep
             list(ld)
         msg = str(e.value)
         assert "\n" not in msg and msg.startswith(f"{remote}/train-000002.tar: unreadable after 1 tries at byte")
+        # its workers, maybe inside a fetch still, ended with the error (not whenever the loader is collected)
+        assert [p for p in multiprocessing.active_children() if p.daemon] == []
     finally:
         proxy.close()
 

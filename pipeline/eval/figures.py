@@ -118,18 +118,40 @@ def _grid(n: int) -> tuple[int, int]:
     return math.ceil(n / cols), cols
 
 
+def _mosaic(tiles: np.ndarray, cols: int, gap: float = np.nan) -> np.ndarray:
+    """tiles [n, h, w(, c)] -> one image [rows*(h+1)-1, cols*(w+1)-1(, c)], row by row, the tiles apart
+    by one pixel of ``gap``. One image on one Axes draws in a fraction of the time a grid of Axes takes
+    (each Axes costs matplotlib ~20 ms to make and draw: 196 of them for a 14x14 position grid)."""
+    n, h, w = tiles.shape[:3]
+    rows = math.ceil(n / cols)
+    out = np.full((rows * (h + 1) - 1, cols * (w + 1) - 1, *tiles.shape[3:]), gap, dtype=np.float64)
+    for i in range(n):
+        r, c = divmod(i, cols)
+        out[r * (h + 1):r * (h + 1) + h, c * (w + 1):c * (w + 1) + w] = tiles[i]
+    return out
+
+
+def _tile_ticks(ax, rows: int, cols: int, h: int, w: int, fontsize: float) -> None:
+    """Tick each tile's row and column (1-based) at its centre."""
+    ax.set_xticks([c * (w + 1) + (w - 1) / 2 for c in range(cols)], [str(c + 1) for c in range(cols)],
+                  fontsize=fontsize)
+    ax.set_yticks([r * (h + 1) + (h - 1) / 2 for r in range(rows)], [str(r + 1) for r in range(rows)],
+                  fontsize=fontsize)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+
+
 def plot_patch_filters(model: ViT, path: Path) -> Path:
     plt = pyplot()
-    comps = patch_filter_components(model)
-    rows, cols = _grid(len(comps))
-    fig, axes = plt.subplots(rows, cols, figsize=(cols * 1.1, rows * 1.1 + 0.6), squeeze=False)
-    for i, ax in enumerate(axes.flat):
-        ax.axis("off")
-        if i < len(comps):
-            img = comps[i] if comps.shape[-1] == 3 else comps[i][..., 0]
-            ax.imshow(img, cmap=None if comps.shape[-1] == 3 else "gray", interpolation="nearest")
-            ax.set_title(f"PC{i + 1}", fontsize=6)
-    fig.suptitle("RGB embedding filters (first principal components)", fontsize=9)
+    comps = patch_filter_components(model)  # [k, P, P, C]
+    _, cols = _grid(len(comps))
+    gray = comps.shape[-1] != 3
+    img = _mosaic(comps[..., 0] if gray else comps, cols, gap=1.0)  # white between filters
+    fig, ax = plt.subplots(figsize=(cols * 1.1, cols * 1.1 * img.shape[0] / img.shape[1] + 0.4))
+    ax.imshow(img, cmap="gray" if gray else None, vmin=0, vmax=1, interpolation="nearest")
+    ax.axis("off")
+    ax.set_title(f"RGB embedding filters (first {len(comps)} principal components, row by row)", fontsize=9)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -137,23 +159,17 @@ def plot_patch_filters(model: ViT, path: Path) -> Path:
 
 def plot_posemb_similarity(model: ViT, path: Path) -> Path:
     plt = pyplot()
-    sim = posemb_similarity(model)
+    sim = posemb_similarity(model)  # [gh, gw, gh, gw]
     gh, gw = sim.shape[:2]
-    fig, axes = plt.subplots(gh, gw, figsize=(gw * 0.6 + 1.2, gh * 0.6 + 0.8), squeeze=False)
-    for r in range(gh):
-        for c in range(gw):
-            ax = axes[r, c]
-            im = ax.imshow(sim[r, c], vmin=-1, vmax=1, cmap="viridis", interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if c == 0:
-                ax.set_ylabel(str(r + 1), fontsize=6)
-            if r == gh - 1:
-                ax.set_xlabel(str(c + 1), fontsize=6)
-    fig.supxlabel("Input patch column", fontsize=8)
-    fig.supylabel("Input patch row", fontsize=8)
-    fig.suptitle("Position embedding similarity", fontsize=9)
-    fig.colorbar(im, ax=axes, shrink=0.6, label="Cosine similarity")
+    img = np.ma.masked_invalid(_mosaic(sim.reshape(gh * gw, gh, gw), gw))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")
+    fig, ax = plt.subplots(figsize=(gw * 0.6 + 1.2, gh * 0.6 + 0.8))
+    im = ax.imshow(img, vmin=-1, vmax=1, cmap=cmap, interpolation="nearest")
+    _tile_ticks(ax, gh, gw, gh, gw, fontsize=6)
+    ax.set_xlabel("Input patch column", fontsize=8)
+    ax.set_ylabel("Input patch row", fontsize=8)
+    ax.set_title("Position embedding similarity", fontsize=9)
+    fig.colorbar(im, ax=ax, shrink=0.6, label="Cosine similarity")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -47,6 +47,27 @@ def needs_service(item) -> bool:
             or any(f in getattr(item, "fixturenames", ()) for f in SERVICE_FIXTURES))
 
 
+# `make test` runs the suite as two pytest processes at once (tests/run_with_services.sh): "cluster",
+# the SLURM tests one after another (they share the two-node cluster) beside the unit tests, and
+# "rest", everything else. The SLURM tests spend much of their time waiting on the scheduler and the
+# unit tests use one core, so the two streams fill the machine's cores where one would leave them idle.
+STREAM = os.environ.pop("VITP_TEST_STREAM", None)  # not inherited by a pytest a test starts
+
+
+def in_cluster_stream(item) -> bool:
+    return (Path(str(item.fspath)).is_relative_to(ROOT / "tests" / "unit") or item.get_closest_marker("slurm")
+            or "slurm_cluster" in getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(config, items):
+    if STREAM not in ("cluster", "rest"):
+        return
+    keep = [it for it in items if bool(in_cluster_stream(it)) == (STREAM == "cluster")]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+        items[:] = keep
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """CI promises the real services: a test that needs one and skipped (for whatever reason, an

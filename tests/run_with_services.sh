@@ -39,9 +39,33 @@ if [ "$(id -u)" = 0 ]; then
   export VITP_SLURM=1
 fi
 
+# VITP_TEST_STREAMS=2 (`make test`): two pytest processes at once, split by tests/conftest.py
+# (VITP_TEST_STREAM): the SLURM tests, serially, beside the unit tests; and the rest. Each has its
+# own temp folder; the cluster stream's report is printed after the rest's. Else one pytest.
+streams=${VITP_TEST_STREAMS:-1}
+unset VITP_TEST_STREAMS  # a run_with_services.sh a test starts runs one pytest
 t0=$(date +%s)
-"$PY" -m pytest "$@"
-rc=$?
+if [ "$streams" = 2 ]; then
+  tmp=$(mktemp -d)
+  trap 'kill "${cluster_pid:-}" 2>/dev/null; cleanup; rm -rf "$tmp"' EXIT
+  VITP_TEST_STREAM=cluster "$PY" -m pytest --basetemp "$tmp/cluster" "$@" >"$tmp/cluster.log" 2>&1 &
+  cluster_pid=$!
+  VITP_TEST_STREAM=rest "$PY" -m pytest --basetemp "$tmp/rest" "$@"
+  rc_rest=$?
+  wait "$cluster_pid"
+  rc_cluster=$?
+  echo
+  echo "=== the cluster stream (SLURM tests and unit tests, run beside the above) ==="
+  cat "$tmp/cluster.log"
+  # one stream may select nothing (a path given that is all in the other): 5 only when both ran nothing
+  if [ $rc_rest = 5 ] && [ $rc_cluster = 5 ]; then rc=5
+  elif [ $rc_rest != 0 ] && [ $rc_rest != 5 ]; then rc=$rc_rest
+  elif [ $rc_cluster != 0 ] && [ $rc_cluster != 5 ]; then rc=$rc_cluster
+  else rc=0; fi
+else
+  "$PY" -m pytest "$@"
+  rc=$?
+fi
 # The suite's own clock (the slowest tests are listed above by --durations): .ci/run warns from this
 # line when the suite outgrows its budget.
 s=$(( $(date +%s) - t0 ))

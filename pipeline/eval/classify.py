@@ -4,8 +4,9 @@ mean average precision instead; few-shot linear evaluation and a linear probe on
 (pipeline/eval/fewshot.py).
 
 Every rank reads its own part of the split (the loader hands each sample to exactly one rank), so
-the counts are summed across ranks (one all-reduce of the confusion matrix: top-1, per-class and
-the matrix itself all follow from it); few-shot features are gathered to every rank. Every rank
+the counts are summed across ranks in one all-reduce: of the confusion matrix for `vitp eval` (top-1,
+per-class and the matrix itself all follow from it), of per-class hits and samples during training
+(K² counts would not fit a 21k-class head); few-shot features are gathered to every rank. Every rank
 runs the same number of forward calls (ZeRO-3 gathers parameters inside forward): padding rows
 are computed and masked, and a rank whose batches ran out runs dummy ones until all have.
 """
@@ -37,21 +38,24 @@ def _is_dist() -> bool:
 
 @dataclass
 class ClassifyResult:
-    """Counts over the whole split (all ranks). confusion[t, p]: samples of class t predicted p."""
+    """Counts over the whole split (all ranks): correct[c] and support[c], the hits and samples of class
+    c; confusion[t, p] (when counted: `vitp eval`), the samples of class t predicted p."""
 
-    confusion: torch.Tensor  # [K, K] int64
+    correct: torch.Tensor  # [K] int64
+    support: torch.Tensor  # [K] int64
     top5_correct: int
     loss_sum: float
     images_per_s: float = 0.0
     class_names: list[str] = field(default_factory=list)
+    confusion: torch.Tensor | None = None  # [K, K] int64
 
     @property
     def n(self) -> int:
-        return int(self.confusion.sum())
+        return int(self.support.sum())
 
     @property
     def top1(self) -> float:
-        return float(self.confusion.diag().sum()) / max(self.n, 1)
+        return float(self.correct.sum()) / max(self.n, 1)
 
     @property
     def top5(self) -> float:
@@ -64,8 +68,7 @@ class ClassifyResult:
     @property
     def per_class(self) -> list[float | None]:
         """Accuracy of each class (None for a class absent from the split)."""
-        support = self.confusion.sum(1)
-        return [None if s == 0 else float(self.confusion[c, c]) / float(s) for c, s in enumerate(support.tolist())]
+        return [None if s == 0 else c / s for c, s in zip(self.correct.tolist(), self.support.tolist())]
 
     def metrics(self, prefix: str = "val") -> dict[str, float]:
         return {f"{prefix}/top1": self.top1, f"{prefix}/top5": self.top5, f"{prefix}/loss": self.loss,
@@ -101,7 +104,8 @@ def _same_count(batches, device) -> int:
 def classify(model: torch.nn.Module, batches: Iterable[Batch], num_classes: int, *,
              device: torch.device | str = "cpu", prepare: Callable | None = None,
              dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None,
-             loss: Callable | None = None, dummy_shape: tuple[int, ...] | None = None) -> ClassifyResult:
+             loss: Callable | None = None, dummy_shape: tuple[int, ...] | None = None,
+             confusion: bool = True) -> ClassifyResult:
     """Run `model` over `batches` and count top-1/top-5 hits, summed over all ranks.
 
     batches: a sized iterable of (images [B, C, H, W], labels [B][, valid [B]]); `prepare` maps the
@@ -109,18 +113,27 @@ def classify(model: torch.nn.Module, batches: Iterable[Batch], num_classes: int,
     ``loss(logits, y)`` -> per-sample loss [B] (default: cross-entropy). ``dummy_shape``: the image
     shape [1, C, H, W] a rank feeds while others still have batches (the model's forward may be
     collective). Labels >= num_classes are an error. No host<->device sync inside the loop.
+    ``confusion``: also count the [K, K] confusion matrix (`vitp eval` writes it); without it only
+    per-class hits and samples (2K counts: what in-training validation logs).
     """
     was_training = model.training
     model.eval()
     loss = loss or (lambda lg, t: F.cross_entropy(lg, t, reduction="none"))
-    counts = torch.zeros(num_classes * num_classes + 1, dtype=torch.int64, device=device)  # confusion, top5
+    K = num_classes
+    # confusion: [K*K] (t*K + p) + top-5; else per class hits [K] and samples [K] + top-5: 2K, not K² (at
+    # ImageNet-21k's 21,843 classes the matrix is 3.8 GB on every rank and in every all-reduce)
+    counts = torch.zeros((K * K if confusion else 2 * K) + 1, dtype=torch.int64, device=device)
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, images
-    k5 = min(5, num_classes)
+    k5 = min(5, K)
     t0 = time.perf_counter()
-    for logits, y, valid in _lockstep(model, batches, num_classes, device, prepare, dtype, autocast, dummy_shape):
-        w = valid.long()
-        # flat index t*K + p; padding rows add 0
-        counts[:-1].scatter_add_(0, y * num_classes + logits.argmax(-1), w)
+    for logits, y, valid in _lockstep(model, batches, K, device, prepare, dtype, autocast, dummy_shape):
+        w = valid.long()  # padding rows add 0
+        pred = logits.argmax(-1)
+        if confusion:
+            counts[:-1].scatter_add_(0, y * K + pred, w)
+        else:
+            counts[:K].scatter_add_(0, y, (pred == y).long() * w)
+            counts[K:-1].scatter_add_(0, y, w)
         counts[-1:] += ((logits.topk(k5, -1).indices == y[:, None]).any(-1).long() * w).sum()
         sums += torch.stack([(loss(logits, y).double() * w).sum(), w.sum().double()])
     counts = all_reduce(counts)
@@ -129,8 +142,12 @@ def classify(model: torch.nn.Module, batches: Iterable[Batch], num_classes: int,
     elapsed = all_reduce(elapsed, "max")  # the ranks ran side by side: all images / the slowest rank
     model.train(was_training)
     counts, sums = counts.cpu(), sums.cpu()
-    return ClassifyResult(counts[:-1].view(num_classes, num_classes), int(counts[-1]), float(sums[0]),
-                          images_per_s=float(sums[1]) / max(float(elapsed.cpu()[0]), 1e-9))
+    speed = float(sums[1]) / max(float(elapsed.cpu()[0]), 1e-9)
+    if confusion:
+        matrix = counts[:-1].view(K, K)
+        return ClassifyResult(matrix.diag().clone(), matrix.sum(1), int(counts[-1]), float(sums[0]),
+                              images_per_s=speed, confusion=matrix)
+    return ClassifyResult(counts[:K], counts[K:-1], int(counts[-1]), float(sums[0]), images_per_s=speed)
 
 
 @dataclass

@@ -188,9 +188,11 @@ class Validation:
 
     def run(self, step: int) -> dict:
         multi = self.source.read_info().multi_label
-        res = (classify_multilabel if multi else classify)(
-            self.engine, self.loader, self.num_classes, device=self.device, prepare=self.source.normalize,
-            dtype=self.dtype, loss=self.loss, dummy_shape=self.dummy_shape)
+        kw = dict(device=self.device, prepare=self.source.normalize, dtype=self.dtype, loss=self.loss,
+                  dummy_shape=self.dummy_shape)
+        # per-class counts at most: the confusion matrix (K² counts) is `vitp eval`'s
+        res = (classify_multilabel(self.engine, self.loader, self.num_classes, **kw) if multi else
+               classify(self.engine, self.loader, self.num_classes, confusion=False, **kw))
         head = {"val_prec1": res.prec1} if multi else {"val_top1": res.top1}
         self.last = {**head, "val_loss": res.loss, "val_n": res.n}
         rank0_print(f"step {step:>7d}  {headline(self.last, 'val_')}  ({self.last['val_n']} images)")

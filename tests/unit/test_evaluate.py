@@ -56,6 +56,65 @@ def test_classify_matches_hand_counts():
     assert res.top5 < 1.0
 
 
+def test_classify_without_confusion_counts_the_same():
+    """In-training validation's counts (per class hits and samples): every number as with the matrix."""
+    logits = [[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 0.5], [0.0, 0.0, 9.0]]
+    labels = [0, 1, 2, 0]
+    full = classify(FixedLogits(logits), _batches(range(4), labels, 3), 3)
+    lean = classify(FixedLogits(logits), _batches(range(4), labels, 3), 3, confusion=False)
+    assert lean.confusion is None and lean.correct.tolist() == [1, 1, 0] and lean.support.tolist() == [2, 1, 1]
+    assert (lean.n, lean.top1, lean.top5, lean.per_class) == (full.n, full.top1, full.top5, full.per_class) \
+        == (4, 0.5, 1.0, [0.5, 1, 0])
+    assert lean.loss == full.loss
+
+
+# One in-training validation over ImageNet-21k's classes, in a fresh process (its peak RSS is then this
+# validation's): a linear head with 21,843 outputs, 6 synthetic images. Prints the logged record and
+# how far the validation raised the process's peak RSS, in bytes.
+_VALIDATE_21K = """
+import functools, json, resource, sys
+import torch
+import torch.nn.functional as F
+from pipeline.config import DataCfg
+from pipeline.data import source_for
+from pipeline.train.periodic import Validation
+
+K, path = 21843, "synthetic:classes=21843,train=1,val=6"
+source = source_for(path)
+loader = source.eval_loader(DataCfg(path=path), img_size=8, batch=4, rank=0, world_size=1, split="val")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, K))
+v = Validation(loader, every=1, engine=model, source=source, num_classes=K, device=torch.device("cpu"),
+               dtype=torch.float32, loss=functools.partial(F.cross_entropy, reduction="none"), img_size=8)
+list(loader)  # decoded once before: the measure is the validation's own
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+record = v.run(1)
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+with torch.no_grad():
+    x, y = torch.cat([b[0] for b in loader])[:6], torch.cat([b[1] for b in loader])[:6]
+    logits = model(source.normalize(x))
+want = {"val_top1": (logits.argmax(1) == y).double().mean().item(),
+        "val_loss": F.cross_entropy(logits, y).item(), "val_n": 6}
+print(json.dumps({"record": record, "want": want, "grown": grown}))
+"""
+
+
+def test_validation_over_21843_classes_counts_per_class_not_a_confusion_matrix():
+    """In-training validation keeps 2K counts: over 21,843 classes its peak memory stays far below
+    the K x K int64 matrix (3.8 GB) the confusion counting allocates, and it logs the same numbers."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _VALIDATE_21K], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    matrix = 21843 * 21843 * 8
+    assert got["grown"] < 256 * 2**20 < matrix / 10, f"validation raised the peak RSS by {got['grown']} bytes"
+    rec, want = got["record"], got["want"]
+    assert rec["val_n"] == want["val_n"] and rec["val_top1"] == pytest.approx(want["val_top1"], abs=1e-9)
+    assert rec["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+
+
 def test_classify_rejects_class_count_mismatch():
     with pytest.raises(ValueError, match="model gives 2 logits but the dataset has 3 classes"):
         classify(FixedLogits([[0.0, 1.0]]), _batches([0], [0], 1), 3)

@@ -268,16 +268,19 @@ def _lockstep(model, batches, num_classes: int, device, prepare, dtype, autocast
 def extract_features(model: torch.nn.Module, batches: Iterable[Batch], *, device: torch.device | str = "cpu",
                      prepare: Callable | None = None, dtype: torch.dtype = torch.float32,
                      max_images: int | None = None, autocast: torch.dtype | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     with_positions: bool = False) -> tuple[torch.Tensor, ...]:
     """Frozen representations (the input of the classifier head), gathered from all ranks.
 
     -> features [N, R|D] float32 on the CPU, labels [N]; N sums every rank's images (each rank
-    stops after `max_images` of its own).
+    stops after `max_images` of its own). ``with_positions``: also each row's position in the split
+    [N] int64 (from an EvalLoader's ``rank_positions``; row order when the batches have none).
     """
     was_training = model.training
     model.eval()
     feats, labels, n = [], [], 0
-    for batch in batches:
+    rank_pos = getattr(batches, "rank_positions", None)
+    pos: list[torch.Tensor] = []
+    for b, batch in enumerate(batches):
         if max_images is not None and n >= max_images:
             break
         x, y, valid = _to_device(batch, device, prepare, dtype)
@@ -286,19 +289,25 @@ def extract_features(model: torch.nn.Module, batches: Iterable[Batch], *, device
         keep = valid.cpu()
         feats.append(f.cpu()[keep])
         labels.append(y.cpu()[keep])
+        if rank_pos is not None:  # padding rows (past this rank's slice) have no position: -1
+            size = getattr(batches, "batch", len(keep))
+            at = list(rank_pos[b * size:b * size + len(keep)])
+            pos.append(torch.tensor(at + [-1] * (len(keep) - len(at)), dtype=torch.int64)[keep])
         n += int(keep.sum())
     model.train(was_training)
     width = getattr(model, "pre_logits", None)
     width = width.out_features if width is not None else model.width
     f = torch.cat(feats) if feats else torch.zeros(0, width)
     y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
+    p = torch.cat(pos) if pos else torch.full((len(y),), -1, dtype=torch.int64)
     if max_images is not None:
-        f, y = f[:max_images], y[:max_images]
+        f, y, p = f[:max_images], y[:max_images], p[:max_images]
     if _is_dist():
-        parts = all_gather_object((f, y))  # plain tensors between our own ranks
-        f = torch.cat([p[0] for p in parts])
-        y = torch.cat([p[1] for p in parts])
-    return f, y
+        parts = all_gather_object((f, y, p))  # plain tensors between our own ranks
+        f, y, p = (torch.cat([q[i] for q in parts]) for i in range(3))
+    if not with_positions:
+        return f, y
+    return f, y, (p if rank_pos is not None else torch.arange(len(y)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -350,16 +359,6 @@ def write_results(results: dict, run_dir: str | Path) -> Path:
     path = Path(run_dir) / "results.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     return write_json(path, {**old, **results})
-
-
-def fewshot_summary(res: dict[int, dict], prefix: str = "fewshot") -> dict[str, float]:
-    """{shots: {mean, std}} -> flat metrics {'fewshot/5shot': mean, 'fewshot/5shot_std': std}."""
-    out = {}
-    for k, r in res.items():
-        if "mean" in r:
-            out[f"{prefix}/{k}shot"] = r["mean"]
-            out[f"{prefix}/{k}shot_std"] = r["std"]
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -422,13 +421,14 @@ def score_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batch: 
         if rank == 0 and out_dir is not None:
             artifacts += write_artifacts(res, out_dir, split, names)
     if fewshot_cfg is not None or linear_probe:
-        tr_x, tr_y = extract_features(model, load(train_split), device=device, prepare=prepare,
-                                      max_images=max_train_images, autocast=autocast)
+        tr_x, tr_y, tr_pos = extract_features(model, load(train_split), device=device, prepare=prepare,
+                                              max_images=max_train_images, autocast=autocast, with_positions=True)
         te_x, te_y = extract_features(model, load(split), device=device, prepare=prepare, autocast=autocast)
         if fewshot_cfg is not None:
+            # the subsets are drawn among the training images read (all of them without max_train_images)
             few = fs.fewshot_accuracy(tr_x, tr_y, te_x, te_y, k, shots=fewshot_cfg.fewshot_shots,
-                                  seeds=fewshot_cfg.fewshot_seeds, l2=fewshot_cfg.fewshot_l2)
-            out.update(fewshot_summary(few))
+                                      seeds=fewshot_cfg.fewshot_seeds, l2=fewshot_cfg.fewshot_l2, positions=tr_pos)
+            out.update(fs.fewshot_metrics(few, "fewshot/"))
             out["fewshot_text"] = fs.format_fewshot(few)
         if linear_probe:
             lp = fs.linear_probe(tr_x, tr_y, te_x, te_y, k)

@@ -3,7 +3,14 @@
 Few-shot (paper section 4.1, big_vision's `fewshot` evaluator): take `shots` training images per
 class, solve a regularised least-squares regression from their (whitened) features to {-1, 1}
 one-hot targets in closed form, and report the accuracy of arg-max predictions on the test set.
-Repeated over several random draws of the training images; the result is mean ± std.
+Repeated over ``seeds`` draws of the training images; the result is mean ± std over the draws.
+
+One definition of the draws serves the in-run evaluators (pipeline/train/evaluators.py) and `vitp
+eval` (:func:`shot_subsets`): seed s permutes each class's training positions with a generator seeded
+s, and its k-shot subset is the first k of each permutation (nested across k within a seed). Both
+compute the metrics with :func:`fewshot_accuracy` and name them with :func:`fewshot_metrics`
+(``<prefix><k>shot`` the mean over seeds, ``<prefix><k>shot_std`` the std), so for the same weights,
+data, shots, seeds and l2 they report the same numbers.
 
 Everything here works on feature tensors, so it is testable without a model or a data loader:
     x: [N, D] float features, y: [N] int64 labels in [0, num_classes).
@@ -11,9 +18,11 @@ Everything here works on feature tensors, so it is testable without a model or a
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -81,43 +90,93 @@ def ridge_accuracy(train_x, train_y, test_x, test_y, num_classes: int, l2: float
     return (ridge_predict(white, W, test_x) == test_y.long()).double().mean().item()
 
 
-def sample_shots(labels: torch.Tensor, shots: int, seed: int, num_classes: int) -> torch.Tensor:
-    """Indices of `shots` random examples of each class (deterministic for a seed).
+@dataclass
+class Subsets:
+    """draws[s][k]: the sorted positions of seed s's k-shot subset; skipped[k]: why k has none."""
 
-    labels: [N] -> indices [num_classes * shots]. Raises if a class has fewer than `shots`.
+    draws: list[dict[int, np.ndarray]]
+    skipped: dict[int, str]
+
+    @property
+    def shots(self) -> list[int]:
+        return sorted(self.draws[0]) if self.draws else []
+
+    def positions(self) -> np.ndarray:
+        """Every position some subset holds (sorted): the union over seeds of the largest subsets."""
+        if not self.shots:
+            return np.zeros(0, dtype=np.int64)
+        return np.unique(np.concatenate([d[max(d)] for d in self.draws]))
+
+
+def shot_subsets(labels, shots: Sequence[int], seeds: int, num_classes: int) -> Subsets:
+    """The few-shot subsets of a training split, from the label of each of its positions.
+
+    labels: [P] int (position p's class; -1 for a position not to draw from). For each seed s in
+    range(seeds), a generator seeded s permutes each class's positions (classes in order); the k-shot
+    subset of seed s is the first k of every class's permutation, so within a seed smaller subsets
+    lie inside larger ones. A k that some class cannot supply is skipped, with the reason.
     """
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for c in range(num_classes):
-        idx = (labels == c).nonzero().flatten()
-        if idx.numel() < shots:
-            raise ValueError(f"few-shot: class {c} has {idx.numel()} training examples, fewer than {shots} shots")
-        out.append(idx[torch.randperm(idx.numel(), generator=g)[:shots]])
-    return torch.cat(out)
+    labels = np.asarray(labels, dtype=np.int64)
+    order = np.argsort(labels, kind="stable")  # positions grouped by class, in position order
+    starts = np.searchsorted(labels[order], np.arange(num_classes + 1))
+    by_class = [order[starts[c]:starts[c + 1]] for c in range(num_classes)]
+    fewest = min(range(num_classes), key=lambda c: len(by_class[c]), default=None)
+    have = len(by_class[fewest]) if fewest is not None else 0
+    keep = sorted(k for k in set(shots) if k <= have)
+    skipped = {k: f"class {fewest} has {have} training samples, fewer than {k}" for k in sorted(set(shots))
+               if k > have}
+    draws = []
+    for s in range(seeds):
+        g = torch.Generator().manual_seed(s)
+        perms = [idx[torch.randperm(len(idx), generator=g).numpy()] for idx in by_class]
+        draws.append({k: np.sort(np.concatenate([p[:k] for p in perms])) for k in keep})
+    return Subsets(draws, skipped)
 
 
 def fewshot_accuracy(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Tensor, test_y: torch.Tensor,
-                 num_classes: int, shots: Sequence[int] = (1, 5, 10, 25), seeds: int = 3,
-                 l2: float = 1.0) -> dict[int, dict]:
-    """Few-shot linear accuracy for each shot count: {shots: {"mean", "std", "accs": [per seed]}}.
+                     num_classes: int, shots: Sequence[int] = (1, 5, 10, 25), seeds: int = 3, l2: float = 1.0, *,
+                     positions: torch.Tensor | None = None, subsets: Subsets | None = None) -> dict[int, dict]:
+    """Few-shot linear accuracy for each shot count: {k: {"mean", "std", "accs": [per seed]}}, or
+    {k: {"skipped": reason}} for a k some class cannot supply (a small downstream set may have 20
+    images of its rarest class and still support 1/5/10).
 
-    Shot counts that some class cannot supply are skipped (reported as {"skipped": reason}), since
-    a small downstream set may have e.g. 20 images of its rarest class and still support 1/5/10.
+    train_x: [N, D], train_y: [N] features and labels of training images; ``positions`` [N]: each
+    row's position in the split (default: row i is position i). ``subsets``: the split's
+    :func:`shot_subsets` (default: drawn from the rows' own labels). A subset's position without a
+    row (its image did not decode) is left out, with a warning. std is over seeds (0 for one seed).
     """
     _check(train_x, train_y, "few-shot train set")
-    out: dict[int, dict] = {}
-    for k in shots:
-        try:
-            accs = []
-            for s in range(seeds):
-                idx = sample_shots(train_y, k, seed=1000 * k + s, num_classes=num_classes)
-                accs.append(ridge_accuracy(train_x[idx], train_y[idx], test_x, test_y, num_classes, l2))
-        except ValueError as e:
-            out[k] = {"skipped": str(e)}
-            continue
+    pos = np.arange(len(train_y)) if positions is None else np.asarray(positions, dtype=np.int64)
+    if subsets is None:
+        labels = np.full(int(pos.max()) + 1 if len(pos) else 0, -1, dtype=np.int64)
+        labels[pos] = train_y.numpy()
+        subsets = shot_subsets(labels, shots, seeds, num_classes)
+    row = np.full(int(max(pos.max(initial=-1), subsets.positions().max(initial=-1))) + 1, -1, dtype=np.int64)
+    row[pos] = np.arange(len(pos))
+    out: dict[int, dict] = {k: {"skipped": why} for k, why in subsets.skipped.items() if k in set(shots)}
+    for k in sorted(set(shots) - set(out)):
+        accs = []
+        for draw in subsets.draws:
+            idx = row[draw[k]]
+            if (idx < 0).any():
+                warnings.warn(f"few-shot: {int((idx < 0).sum())} of the {k}-shot images did not decode; "
+                              "solved without them", stacklevel=2)
+                idx = idx[idx >= 0]
+            idx = torch.from_numpy(idx)
+            accs.append(ridge_accuracy(train_x[idx], train_y[idx], test_x, test_y, num_classes, l2))
         t = torch.tensor(accs, dtype=torch.float64)
-        std = t.std(unbiased=False).item() if len(accs) > 1 else 0.0
-        out[k] = {"mean": t.mean().item(), "std": std, "accs": accs}
+        out[k] = {"mean": t.mean().item(), "std": t.std(unbiased=False).item() if len(accs) > 1 else 0.0,
+                  "accs": accs}
+    return dict(sorted(out.items()))
+
+
+def fewshot_metrics(results: dict[int, dict], prefix: str) -> dict[str, float]:
+    """{k: {mean, std}} -> {f"{prefix}{k}shot": mean, f"{prefix}{k}shot_std": std} (skipped k: none)."""
+    out = {}
+    for k, r in results.items():
+        if "mean" in r:
+            out[f"{prefix}{k}shot"] = r["mean"]
+            out[f"{prefix}{k}shot_std"] = r["std"]
     return out
 
 

@@ -203,9 +203,9 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
                             device=device, dtype=dtype, img_size=cfg.model.img_size,
                             loss=functools.partial(loss_fn, t.loss, reduction="none"))
     e = cfg.eval
-    fewshot = FewshotEvaluators(engine, device, dtype, data=e.fewshot_data, shots=e.fewshot_shots, l2=e.fewshot_l2,
-                                batch=e.batch, every=t.fewshot_every, last_step=t.steps,
-                                img_size=cfg.model.img_size, crop_pct=d.eval_crop_pct)
+    fewshot = FewshotEvaluators(engine, device, dtype, data=e.fewshot_data, shots=e.fewshot_shots,
+                                seeds=e.fewshot_seeds, l2=e.fewshot_l2, batch=e.batch, every=t.fewshot_every,
+                                last_step=t.steps, img_size=cfg.model.img_size, crop_pct=d.eval_crop_pct, ema=ema)
     added = [make(Parts(cfg, engine, loader, source, num_classes, device, dtype, rank, world)) for make in tasks]
     named = {"rng": RngState(), "loader": loader, "window": window, **({"ema": ema} if ema is not None else {}),
              **{task.name: task for task in (*added, fewshot) if hasattr(task, "state_dict")}, **(states or {})}

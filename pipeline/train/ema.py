@@ -8,6 +8,8 @@ continues it exactly) and becomes the run's exported ``model.safetensors``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -21,6 +23,23 @@ class Ema:
     def update(self, module: torch.nn.Module) -> None:
         params = [p.detach().float() for p in module.parameters()]
         torch._foreach_lerp_(self.values, params, 1.0 - self.decay)
+
+    @contextlib.contextmanager
+    def applied(self, module: torch.nn.Module):
+        """Within the block ``module`` holds the averaged weights (in its own dtype: what an evaluator
+        of the exported model sees); after it, its own values again, bit for bit, so training goes on
+        as if nothing happened."""
+        params = list(module.parameters())
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, v in zip(params, self.values):
+                p.copy_(v)
+        try:
+            yield module
+        finally:
+            with torch.no_grad():
+                for p, v in zip(params, saved):
+                    p.copy_(v)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.values))

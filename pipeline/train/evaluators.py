@@ -7,17 +7,21 @@ named by its folder or as ``NAME=PATH``):
     at the start of the run (once)
         the train split's labels: each rank reads the ``.cls`` of every W-th shard (tar headers and
         label bytes, no image), one all_gather_object joins them
-        a fixed k-shot subset: per class a permutation seeded 0 (the same subset in every run and at
-        every step), its first k for each k of ``eval.fewshot_shots`` (nested; a k that some class
-        cannot supply is skipped, said once)
+        the k-shot subsets of pipeline/eval/fewshot.py's one definition: for each of
+        ``eval.fewshot_seeds`` seeds, per class a permutation seeded by it, its first k for each k of
+        ``eval.fewshot_shots`` (nested; the same subsets in every run, at every step and in `vitp
+        eval`; a k that some class cannot supply is skipped, said once); the images read are the
+        union over seeds of the largest subsets
     every ``train.fewshot_every`` steps and at the end
-        pre-logit features (the head's input) of the subset and of the whole test split: each sample
+        pre-logit features (the head's input) of the subsets and of the whole test split, from the
+        weights the run exports (the EMA's, swapped in and back, when optim.ema is on): each sample
         on one rank, the same number of forward calls through the engine on every rank (ZeRO-3
         gathers parameters inside forward, so nothing else may call the model meanwhile)
-        one gather_object of the features to rank 0, which solves the closed-form ridge for each k
-        (pipeline/eval/fewshot.py) and scores the test split; the others wait for it on the side
-        group (no rank waits inside a collective's timeout)
-        -> {"fewshot/<name>/<k>shot": accuracy, "fewshot/seconds": wall time} on rank 0 (the first
+        one gather_object of the features to rank 0, which solves the closed-form ridge for each
+        seed and k (pipeline/eval/fewshot.py, ``eval.fewshot_l2``) and scores the test split;
+        the others wait for it on the side group (no rank waits inside a collective's timeout)
+        -> {"fewshot/<name>/<k>shot": mean accuracy over seeds, "fewshot/<name>/<k>shot_std": its
+           std, "fewshot/seconds": wall time} on rank 0 (the first
            time also "fewshot/setup_seconds", the label scan)
 
 Decoded test and subset images stay in memory between evaluations (the eval transform is
@@ -32,8 +36,8 @@ while an evaluator runs is honoured at a step boundary right after it, as always
 
 from __future__ import annotations
 
+import contextlib
 import time
-import warnings
 
 import numpy as np
 import torch
@@ -45,9 +49,9 @@ from pipeline.data import loader as shard_loader
 from pipeline.data.shards import SkipCounts, read_shard
 from pipeline.distributed import all_gather_object, all_reduce, gather_object, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval import fewshot as fs
+from pipeline.train.ema import Ema
 
 CACHE_BYTES = 1 << 30  # decoded uint8 images kept per rank, all evaluators together
-SUBSET_SEED = 0
 PREFIX = "fewshot/"
 
 
@@ -62,31 +66,11 @@ def train_labels(info, split: str, rank: int, world: int) -> np.ndarray:
     return np.array([y for s in range(len(sp.urls)) for y in shards[s]], dtype=np.int64)
 
 
-def nested_shots(labels: np.ndarray, shots: list[int], num_classes: int, seed: int = SUBSET_SEED
-                 ) -> tuple[dict[int, np.ndarray], dict[int, str]]:
-    """({k: positions of k training samples per class}, {k: why skipped}); the positions of k are the
-    first k of each class's seeded permutation, so smaller subsets lie inside larger ones."""
-    g = torch.Generator().manual_seed(seed)
-    perms = []
-    for c in range(num_classes):
-        idx = np.flatnonzero(labels == c)
-        perms.append(idx[torch.randperm(len(idx), generator=g).numpy()])
-    fewest = min((len(p) for p in perms), default=0)
-    chosen, skipped = {}, {}
-    for k in sorted(set(shots)):
-        if k > fewest:
-            c = min(range(num_classes), key=lambda c: len(perms[c]))
-            skipped[k] = f"class {c} has {len(perms[c])} training samples, fewer than {k}"
-            continue
-        chosen[k] = np.sort(np.concatenate([p[:k] for p in perms]))
-    return chosen, skipped
-
-
 class _Set:
     """One few-shot dataset: its subset, its test split, and (maybe) their decoded batches."""
 
-    def __init__(self, name: str, path: str, *, shots: list[int], batch: int, img_size: int, crop_pct: float,
-                 rank: int, world: int):
+    def __init__(self, name: str, path: str, *, shots: list[int], seeds: int, batch: int, img_size: int,
+                 crop_pct: float, rank: int, world: int):
         self.name = name
         self.data = DataCfg(path=path, workers=0, eval_crop_pct=crop_pct, val_split="test")
         try:
@@ -98,10 +82,10 @@ class _Set:
         if self.info.multi_label:
             raise DataError(f"eval.fewshot_data: {path} is multi-label; few-shot needs single-label data")
         labels = train_labels(self.info, "train", rank, world)
-        self.shots, skipped = nested_shots(labels, list(shots), self.info.num_classes)
-        for k, why in skipped.items():
+        self.subsets = fs.shot_subsets(labels, list(shots), seeds, self.info.num_classes)
+        for k, why in self.subsets.skipped.items():
             rank0_print(f"few-shot {self.name}: {k}-shot skipped ({why})")
-        self.subset = self.shots[max(self.shots)] if self.shots else np.zeros(0, dtype=np.int64)
+        self.subset = self.subsets.positions()  # the union over seeds of the largest subsets
         kw = dict(img_size=img_size, batch=batch, rank=rank, world_size=world, num_workers=0)
         self.loaders = {"train": shard_loader.EvalLoader(self.data, split="train", positions=self.subset.tolist(),
                                                          **kw),
@@ -141,14 +125,14 @@ class FewshotEvaluators:
     name = "fewshot"
     checkpoint_scope = "shared"
 
-    def __init__(self, engine, device, dtype, *, data: list[str], shots: list[int], l2: float, batch: int, every: int,
-                 last_step: int, img_size: int, crop_pct: float):
-        self.engine, self.device, self.dtype, self.l2 = engine, device, dtype, l2
+    def __init__(self, engine, device, dtype, *, data: list[str], shots: list[int], seeds: int, l2: float,
+                 batch: int, every: int, last_step: int, img_size: int, crop_pct: float, ema: Ema | None = None):
+        self.engine, self.device, self.dtype, self.seeds, self.l2, self.ema = engine, device, dtype, seeds, l2, ema
         self.rank, self.world = rank_world()
         t0 = time.perf_counter()
         self.every, self.last_step = every, last_step
-        self.sets = [_Set(n, p, shots=shots, batch=batch, img_size=img_size, crop_pct=crop_pct, rank=self.rank,
-                          world=self.world) for n, p in fewshot_sets(data)]
+        self.sets = [_Set(n, p, shots=shots, seeds=seeds, batch=batch, img_size=img_size, crop_pct=crop_pct,
+                          rank=self.rank, world=self.world) for n, p in fewshot_sets(data)]
         budget = sum(s.rank_bytes(img_size) for s in self.sets)
         self.cache = budget <= CACHE_BYTES
         self.done = 0  # the newest evaluated step
@@ -184,7 +168,7 @@ class FewshotEvaluators:
             if self.setup_s is not None:
                 out[PREFIX + "setup_seconds"], self.setup_s = self.setup_s, None
             rank0_print(f"step {step:>7d}  " + "  ".join(f"{k[len(PREFIX):]} {v:.3f}" for k, v in out.items()
-                                                        if not k.endswith("seconds")))
+                                                        if not k.endswith(("seconds", "_std"))))
         return out
 
     @torch.no_grad()
@@ -213,13 +197,15 @@ class FewshotEvaluators:
         return torch.cat(feats).cpu()[keep], torch.cat(labels)[keep], torch.cat(pos)[keep]
 
     def _run(self, s: _Set, step: int) -> dict:
-        if not s.shots:  # every shot count was skipped (said at the start); the same on every rank
+        if not s.subsets.shots:  # every shot count was skipped (said at the start); the same on every rank
             return {}
         was_training = self.engine.training
         self.engine.eval()
-        try:
-            train = self._features(s, "train", step)
-            test = self._features(s, "test", step)
+        module = getattr(self.engine, "module", self.engine)
+        try:  # the weights the run exports: the average when optim.ema is on (put back after)
+            with self.ema.applied(module) if self.ema is not None else contextlib.nullcontext():
+                train = self._features(s, "train", step)
+                test = self._features(s, "test", step)
         finally:
             self.engine.train(was_training)
         parts = gather_object((train, test))  # rank 0: every rank's; others: None
@@ -227,13 +213,8 @@ class FewshotEvaluators:
         if self.rank == 0:
             tr_x, tr_y, tr_pos = (torch.cat(c) for c in zip(*(p[0] for p in parts)))
             te_x, te_y, _ = (torch.cat(c) for c in zip(*(p[1] for p in parts)))
-            row = {int(q): i for i, q in enumerate(tr_pos.tolist())}
-            for k, subset in s.shots.items():
-                idx = torch.tensor([row[q] for q in subset.tolist() if q in row], dtype=torch.int64)
-                if len(idx) < len(subset):
-                    warnings.warn(f"few-shot {s.name}: {len(subset) - len(idx)} of the {k}-shot images did not "
-                                  "decode; solved without them", stacklevel=2)
-                acc = fs.ridge_accuracy(tr_x[idx], tr_y[idx], te_x, te_y, s.info.num_classes, self.l2)
-                out[f"{PREFIX}{s.name}/{k}shot"] = acc
+            res = fs.fewshot_accuracy(tr_x, tr_y, te_x, te_y, s.info.num_classes, s.subsets.shots, self.seeds,
+                                      self.l2, positions=tr_pos, subsets=s.subsets)
+            out = fs.fewshot_metrics(res, f"{PREFIX}{s.name}/")
         wait_for_rank0()  # the solve is rank 0's alone: the others wait outside any collective's timeout
         return out

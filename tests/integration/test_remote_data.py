@@ -330,7 +330,7 @@ def test_fewshot_evaluators_over_http_match_the_folder(prepped, weights, http_fo
                                  "model.heads=2", "model.mlp_dim=64", "model.patch=8"], world_size=1)
         e = cfg.eval
         ev = FewshotEvaluators(net, torch.device("cpu"), torch.float32, data=e.fewshot_data, shots=e.fewshot_shots,
-                               l2=e.fewshot_l2, batch=e.batch, every=cfg.train.fewshot_every, last_step=1,
-                               img_size=cfg.model.img_size, crop_pct=cfg.data.eval_crop_pct)
+                               seeds=e.fewshot_seeds, l2=e.fewshot_l2, batch=e.batch, every=cfg.train.fewshot_every,
+                               last_step=1, img_size=cfg.model.img_size, crop_pct=cfg.data.eval_crop_pct)
         got[name] = {k: v for k, v in ev.run(1).items() if not k.endswith("seconds")}
     assert got["http"] == got["folder"] and len(got["http"]) >= 2

@@ -11,7 +11,7 @@ from pipeline.eval.fewshot import (
     linear_probe,
     ridge_accuracy,
     ridge_fit,
-    sample_shots,
+    shot_subsets,
 )
 
 
@@ -61,15 +61,47 @@ def test_ridge_separates_clusters():
     assert ridge_accuracy(x[:40], y[:40], x[40:], y[40:], 4, l2=1.0) == 1.0
 
 
-def test_sample_shots_balanced_and_deterministic():
-    y = torch.tensor([0, 1, 2] * 10)
-    a = sample_shots(y, 5, seed=3, num_classes=3)
-    assert torch.equal(a, sample_shots(y, 5, seed=3, num_classes=3))
-    assert not torch.equal(a, sample_shots(y, 5, seed=4, num_classes=3))
-    assert torch.bincount(y[a], minlength=3).tolist() == [5, 5, 5]
-    assert len(set(a.tolist())) == 15
-    with pytest.raises(ValueError, match="class 0 has 10 training examples, fewer than 11"):
-        sample_shots(y, 11, seed=0, num_classes=3)
+def test_subsets_per_seed_are_the_first_k_of_a_permutation_seeded_by_it():
+    labels = np.array([0, 1, 2] * 10)
+    sub = shot_subsets(labels, [5, 1], seeds=3, num_classes=3)
+    assert sub.shots == [1, 5] and sub.skipped == {} and len(sub.draws) == 3
+    for s, draw in enumerate(sub.draws):
+        g = torch.Generator().manual_seed(s)  # the definition, written out: classes in order, one generator
+        perms = [np.flatnonzero(labels == c)[torch.randperm(10, generator=g).numpy()] for c in range(3)]
+        for k in (1, 5):
+            assert np.array_equal(draw[k], np.sort(np.concatenate([p[:k] for p in perms])))
+            assert np.bincount(labels[draw[k]], minlength=3).tolist() == [k, k, k]
+        assert set(draw[1]) <= set(draw[5])  # nested within a seed
+    assert not np.array_equal(sub.draws[0][5], sub.draws[1][5])  # seeds draw differently
+    again = shot_subsets(labels, [1, 5], seeds=3, num_classes=3)
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(sub.draws, again.draws) for k in (1, 5))
+    want = np.unique(np.concatenate([d[5] for d in sub.draws]))
+    assert np.array_equal(sub.positions(), want)  # what a run reads: the union of the largest subsets
+
+
+def test_subsets_skip_what_a_class_cannot_supply_and_ignore_unlabelled_positions():
+    labels = np.array([0] * 10 + [1] * 6 + [-1] * 4 + [2] * 8)
+    sub = shot_subsets(labels, [5, 1, 10], seeds=2, num_classes=3)
+    assert sub.shots == [1, 5] and sub.skipped == {10: "class 1 has 6 training samples, fewer than 10"}
+    assert all(labels[d[5]].min() >= 0 for d in sub.draws)
+    none = shot_subsets(labels, [7], seeds=2, num_classes=3)
+    assert none.shots == [] and len(none.positions()) == 0
+
+
+def test_fewshot_accuracy_reads_subsets_by_position():
+    """Rows in any order, with their positions, score as the rows in position order."""
+    g = torch.Generator().manual_seed(3)
+    y = torch.arange(3).repeat(8)
+    x = torch.randn(3, 6, generator=g)[y] * 2 + torch.randn(24, 6, generator=g)
+    ref = fewshot_accuracy(x, y, x, y, 3, shots=(1, 3), seeds=3, l2=1.0)
+    perm = torch.randperm(24, generator=g)
+    got = fewshot_accuracy(x[perm], y[perm], x, y, 3, shots=(1, 3), seeds=3, l2=1.0, positions=perm)
+    for k in (1, 3):
+        assert got[k]["accs"] == pytest.approx(ref[k]["accs"], abs=1e-12)
+    sub = shot_subsets(y.numpy(), (1, 3), 3, 3)
+    rows = torch.from_numpy(sub.positions())  # only the subsets' rows, as a run reads them
+    part = fewshot_accuracy(x[rows], y[rows], x, y, 3, shots=(1, 3), seeds=3, l2=1.0, positions=rows, subsets=sub)
+    assert [part[k]["mean"] for k in (1, 3)] == pytest.approx([ref[k]["mean"] for k in (1, 3)], abs=1e-12)
 
 
 def test_fewshot_eval_mean_std_over_seeds_and_skips_impossible_shots():
@@ -105,19 +137,6 @@ def test_wrong_shapes_fail_clearly():
         ridge_fit(torch.zeros(3, 2), torch.zeros(4, dtype=torch.long), 2, 1.0)
     with pytest.raises(ValueError, match="l2 must be > 0"):
         ridge_fit(torch.zeros(3, 2), torch.zeros(3, dtype=torch.long), 2, 0.0)
-
-
-def test_in_run_subsets_are_fixed_nested_and_skip_what_a_class_cannot_supply():
-    from pipeline.train.evaluators import nested_shots
-
-    labels = np.array([0] * 10 + [1] * 6 + [2] * 8)
-    shots, skipped = nested_shots(labels, [5, 1, 10], 3)
-    assert sorted(shots) == [1, 5] and skipped == {10: "class 1 has 6 training samples, fewer than 10"}
-    assert set(shots[1]) <= set(shots[5])
-    for k, idx in shots.items():
-        assert np.bincount(labels[idx], minlength=3).tolist() == [k, k, k]
-    again, _ = nested_shots(labels, [1, 5], 3)
-    assert all(np.array_equal(again[k], shots[k]) for k in shots)  # the same subset every time
 
 
 def test_fewshot_data_names():

@@ -90,3 +90,23 @@ def test_ema_resumed_from_its_state_continues_bit_exactly():
         assert v.dtype == torch.float32 and torch.equal(v, resumed.state_dict()[k]), k
     with pytest.raises(ValueError, match="checkpoint EMA lacks"):
         resumed.load_state_dict({"weight": whole.state_dict()["weight"]})
+
+
+def test_ema_applied_puts_the_average_in_and_the_training_weights_back_bit_exactly():
+    """Evaluators see the exported (averaged) weights; training goes on with its own, unchanged."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    ema = Ema(net, decay=0.5)
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    ema.update(net)
+    before = [p.detach().clone() for p in net.parameters()]
+    x = torch.randn(4, 3)
+    with ema.applied(net):
+        inside = net(x)
+        assert all(torch.equal(p, v) for p, v in zip(net.parameters(), ema.values))
+    assert torch.allclose(inside, torch.nn.functional.linear(x, ema.values[0], ema.values[1]))
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+    with pytest.raises(RuntimeError), ema.applied(net):  # put back also when the evaluation fails
+        raise RuntimeError("evaluator died")
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))

@@ -47,9 +47,10 @@ def block_variants(model: torch.nn.Module, cfg) -> int:
     return roles * (training + 1)
 
 
-def compile_blocks(model: torch.nn.Module, cfg) -> int:
-    """torch.compile each of ``model.blocks`` in place, the recompile limit raised to hold this run's
-    variants (on top of any other compiled model's in this process); returns how many blocks."""
+def compile_blocks(model: torch.nn.Module, cfg, **compile_kw) -> int:
+    """torch.compile each of ``model.blocks`` in place (``compile_kw``: torch.compile's, e.g. a backend),
+    the recompile limit raised to hold this run's variants (on top of any other compiled model's in
+    this process); returns how many blocks."""
     global _process_variants
     blocks = list(model.blocks)
     _process_variants += block_variants(model, cfg)
@@ -58,7 +59,7 @@ def compile_blocks(model: torch.nn.Module, cfg) -> int:
     _warned.clear()  # a fallback is said once per compiled model
     _watch_fallbacks()
     for i, blk in enumerate(blocks):
-        blk.compile()
+        blk.compile(**compile_kw)
         blk._compiled_call_impl = _named(f"blocks.{i}", blk._compiled_call_impl)
     return len(blocks)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.gpu_contestants import BUILDERS
+from pipeline import faults
 from pipeline.data.loader import TrainLoader, normalize
 
 
@@ -78,6 +79,7 @@ class LoaderSections:
 
         def fed() -> float:  # one optimizer step (accumulation 1); -> seconds waited for its batch
             t = time.perf_counter()
+            faults.slow_batch()  # the loop's seam where a batch is fetched (a test slows the loader there)
             images, labels = next(it)
             waited = time.perf_counter() - t
             micro(images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))

@@ -5,7 +5,11 @@ backward -> optimizer), ``close()`` frees what it holds.
     vitp       vitp's DeepSpeed engine (pipeline.train.engine.build_engine) as the loop drives it
     vitp_full  the same with every token through the last block (timm's work)
     plain      the same vitp model (blocks compiled alike) in a plain torch loop, no DeepSpeed
-    timm       timm's VisionTransformer with vitp's dims in the plain loop
+    timm       timm's VisionTransformer with vitp's dims in the plain loop, its blocks compiled as vitp's
+               are (train.compile: each block torch.compile'd in place), so compiled meets compiled
+
+vitp's ``step`` also takes a batch (uint8 images, labels on the device) in place of the fixed one: the
+loader-fed measurement of bench/gpu_step.py.
 
 The caller has set up the process group (pipeline.distributed.setup) before it builds a vitp engine.
 """
@@ -42,10 +46,10 @@ def build_vitp(cfg, images, labels, num_classes, device, *, full_last_block=Fals
     dtype, kind, lr = eng.input_dtype(cfg), cfg.train.loss, cfg.optim.lr
     engine.train()
 
-    def step():
+    def step(x=images, y=labels):
         eng.set_lr(engine, lr)
-        logits = engine(normalize(images).to(dtype)).float()
-        engine.backward(loss_fn(kind, logits, labels))
+        logits = engine(normalize(x).to(dtype)).float()
+        engine.backward(loss_fn(kind, logits, y))
         engine.step()
 
     def close():
@@ -87,7 +91,8 @@ def build_plain(cfg, images, labels, num_classes, device):
 
 def build_timm(cfg, images, labels, num_classes, device):
     """timm's VisionTransformer with vitp's dims, class token and dropout (timm has no pre-logits layer:
-    vitp's extra D x R matmul on the class token is < 0.1% of the FLOPs)."""
+    vitp's extra D x R matmul on the class token is < 0.1% of the FLOPs); its blocks compiled where
+    ``cfg`` compiles vitp's, by the same function."""
     from timm.models.vision_transformer import VisionTransformer
 
     with torch.device("meta"):
@@ -99,6 +104,7 @@ def build_timm(cfg, images, labels, num_classes, device):
             num_heads=c["heads"], mlp_ratio=c["mlp_dim"] / c["width"], num_classes=num_classes,
             global_pool="token", class_token=True, pos_drop_rate=c["dropout"], proj_drop_rate=c["dropout"],
             attn_drop_rate=c["attn_dropout"], drop_path_rate=c["drop_path"])
+    eng.compile_blocks(model, cfg)
     return _plain_loop(model, cfg, images, labels, device)
 
 

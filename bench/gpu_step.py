@@ -5,11 +5,16 @@
     mfu_vit_b16               the same for vit_b16.yaml
     step_vs_timm_gpu          vitp step time / timm VisionTransformer in a plain torch loop (bf16 autocast,
                               fused AdamW, same clip and loss), same batch, SAME WORK: every token through
-                              vitp's last block, as in timm's
-    step_vs_timm_gpu_token0   the same with vitp as it trains (its last block computes token 0 only)
+                              vitp's last block, as in timm's; timm's blocks compiled as vitp's are (each
+                              torch.compile'd in place), so compiled meets compiled
+    step_vs_timm_gpu_eager    the same with neither compiled (with --compile off: the line above again)
+    step_vs_timm_gpu_token0   the same as step_vs_timm_gpu with vitp as it trains (last block: token 0 only)
     zero2_vs_plain_gpu        DeepSpeed throughput / the same vitp model in a plain torch loop, same batch
     loader_vs_step_gpu        TrainLoader images/s over `vitp prep` shards (os.cpu_count() workers, pinned,
                               copied and normalised on the device) / ViT-L/16 training images/s
+    data_wait_vit_l16_gpu     vitp's step fed by that loader as the training loop feeds it: the share of the
+                              windows' wall time spent waiting for the next batch (the training records'
+                              data_wait: host clocks around the loader's next(), no device sync per step)
     plan_vs_measured_mem_gpu  `vitp plan` peak memory per GPU / torch.cuda.max_memory_allocated, ViT-L/16
     mfu_vit_l16_recipe        vitp's step as the recipe runs it: its micro batch, its accumulation (global batch /
                               (world x micro batch) on --resources' cluster), its ZeRO stage; one optimizer step
@@ -32,26 +37,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import io
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_contestants import BUILDERS  # noqa: E402
+from bench.gpu_loader import LoaderSections, write_images  # noqa: E402, F401 (write_images: gpu_check's)
 from pipeline.config import load_config  # noqa: E402
-from pipeline.data.loader import TrainLoader, normalize  # noqa: E402
 from pipeline.distributed import setup  # noqa: E402
 from pipeline.model.flops import train_step_flops  # noqa: E402
 from pipeline.weights import build_model  # noqa: E402
@@ -90,7 +91,7 @@ def ratio(name: str, value: float) -> None:
 # --------------------------------------------------------------------------------------------------
 # The bench
 # --------------------------------------------------------------------------------------------------
-class Bench:
+class Bench(LoaderSections):
     def __init__(self, args):
         self.args = args
         self.cuda = not args.smoke
@@ -106,6 +107,8 @@ class Bench:
     def compiling(self) -> bool:
         return self.cuda and self.compile is not False
 
+    log = staticmethod(log)
+
     def elapsed(self) -> float:
         return time.perf_counter() - T0
 
@@ -119,9 +122,12 @@ class Bench:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-    def cfg(self, name: str, batch: int, accum: int = 1, zero: int | None = None, ckpt: bool = False):
-        """The recipe overridden for one rank at micro batch ``batch`` x ``accum`` micro steps per optimizer step."""
+    def cfg(self, name: str, batch: int, accum: int = 1, zero: int | None = None, ckpt: bool = False,
+            compile: bool | None = None):
+        """The recipe overridden for one rank at micro batch ``batch`` x ``accum`` micro steps per optimizer step
+        (``compile``: train.compile, default the bench's --compile)."""
         a = self.args
+        compile = self.compile if compile is None else compile
         ov = [f"train.micro_batch={batch}", f"train.global_batch={batch * accum}", "cluster.nodes=1",
               "cluster.tasks_per_node=1", f"cluster.gpus_per_node={int(self.cuda)}",
               f"engine.zero_stage={a.zero if zero is None else zero}",
@@ -129,8 +135,8 @@ class Bench:
               f"engine.backend={'nccl' if self.cuda else 'gloo'}",
               "tracking.enabled=false", f"model.num_classes={self.num_classes}",
               f"model.grad_checkpointing={str(ckpt).lower()}"]
-        if self.compile is not None:
-            ov.append(f"train.compile={str(self.compile).lower()}")
+        if compile is not None:
+            ov.append(f"train.compile={str(compile).lower()}")
         if a.smoke:
             ov += SMOKE_MODEL
         return load_config(ROOT / "configs" / "pretrain" / f"{name}.yaml", ov, world_size=1)
@@ -254,67 +260,40 @@ class Bench:
         return out
 
     def compare(self, name: str, found: dict[int, Timing], best: int) -> None:
-        """timm and the plain loop vs vitp at the largest batch <= best where every contestant fits."""
+        """timm and the plain loop vs vitp at the largest batch <= best where every contestant fits; timm's
+        blocks compiled as vitp's are, and (when compiling) both once more uncompiled."""
         if self.compiling:  # static graphs for this batch, as a run at one micro batch has (cached on disk)
             torch._dynamo.reset()
         for b in sorted((b for b in found if b <= best), reverse=True):
-            cfg = self.cfg(name, b)
             got = {}
-            for kind in ("timm", "plain", "vitp_full"):
-                got[kind] = self.measure(kind, cfg, b) if kind == "timm" else self.measure_vitp(name, b, kind)
+            for kind in ("vitp_full", "timm", "plain"):  # vitp first: a failed compile turns it off for all
+                got[kind] = self.measure(kind, self.cfg(name, b), b) if kind == "timm" else \
+                    self.measure_vitp(name, b, kind)
                 if got[kind] is None:
                     break
             if any(v is None for v in got.values()):
                 continue
+            eager = self.eager_pair(name, b) if self.compiling else (got["vitp_full"], got["timm"])
             ds = found[b]
             log(f"compared at b={b} on {name}, ms/step: vitp (DeepSpeed ZeRO-{self.args.zero}) {ds.step_s * 1e3:.1f} "
                 f"(token 0 in the last block), {got['vitp_full'].step_s * 1e3:.1f} (every token); timm "
-                f"{got['timm'].step_s * 1e3:.1f}; plain vitp {got['plain'].step_s * 1e3:.1f}; max allocated GiB: "
-                + ", ".join(f"{k} {r.peak_bytes / GiB:.2f}" for k, r in got.items()))
+                f"{got['timm'].step_s * 1e3:.1f}; plain vitp {got['plain'].step_s * 1e3:.1f}; train.compile "
+                f"{self.compiling} for all; uncompiled: vitp (every token) / timm "
+                + " / ".join(f"{r.step_s * 1e3:.1f}" if r else "did not fit" for r in eager)
+                + "; max allocated GiB: " + ", ".join(f"{k} {r.peak_bytes / GiB:.2f}" for k, r in got.items()))
             ratio("step_vs_timm_gpu", got["vitp_full"].step_s / got["timm"].step_s)
+            ratio("step_vs_timm_gpu_eager", eager[0].step_s / eager[1].step_s if all(eager) else math.nan)
             ratio("step_vs_timm_gpu_token0", ds.step_s / got["timm"].step_s)
             ratio("zero2_vs_plain_gpu", got["plain"].step_s / ds.step_s)
             return
         log(f"{name}: timm / plain loop fit at no measured batch")
-        for n in ("step_vs_timm_gpu", "step_vs_timm_gpu_token0", "zero2_vs_plain_gpu"):
+        for n in ("step_vs_timm_gpu", "step_vs_timm_gpu_eager", "step_vs_timm_gpu_token0", "zero2_vs_plain_gpu"):
             ratio(n, math.nan)
 
-    def loader_rate(self, cfg, batch: int) -> float:
-        """Images/s of TrainLoader over `vitp prep` shards of synthetic photos, as the loop consumes them."""
-        from data_prep import prep
-
-        a, cores = self.args, os.cpu_count() or 1
-        n, (lo, hi) = (24, (40, 80)) if a.smoke else (a.loader_images, (300, 500))
-        with tempfile.TemporaryDirectory(prefix="vitp_gpu_bench_") as tmp:
-            src, out = Path(tmp) / "images", Path(tmp) / "shards"
-            t = time.perf_counter()
-            write_images(src, n, lo, hi)
-            prep(src, out, workers=cores, progress=False, max_samples_per_shard=max(1, n // cores), seed=0)
-            log(f"loader: {n} JPEGs {lo}-{hi} px prepped into {len(list(out.glob('train-*.tar')))} shards "
-                f"in {time.perf_counter() - t:.1f}s; {cores} workers, micro batch {batch}")
-            data = cfg.data.model_copy(update={"path": str(out), "workers": cores,
-                                               "shuffle_buffer": min(cfg.data.shuffle_buffer, 1000)})
-            loader = TrainLoader(data, img_size=cfg.model.img_size, micro_batch=batch, global_batch=batch, rank=0,
-                                 world_size=1, seed=0, pin_memory=self.cuda)
-            it = loader.forever()
-            per_window = max(cores, 2)
-
-            def take(k: int) -> None:
-                for _ in range(k):
-                    images, _labels = next(it)
-                    normalize(images.to(self.device, non_blocking=True))
-
-            take(per_window)  # every worker has started and filled its shuffle buffer
-            rates = []
-            for _ in range(1 if a.smoke else 3):
-                self.sync()
-                t = time.perf_counter()
-                take(per_window)
-                self.sync()
-                rates.append(per_window * batch / (time.perf_counter() - t))
-            it.close()  # ends the workers
-            log("loader: " + " ".join(f"{r:.0f}" for r in rates) + " img/s per window")
-            return statistics.median(rates)
+    def eager_pair(self, name: str, b: int) -> tuple[Timing | None, Timing | None]:
+        """vitp (every token through the last block) and timm at micro batch ``b``, neither compiled."""
+        cfg = self.cfg(name, b, compile=False)
+        return self.measure("vitp_full", cfg, b), self.measure("timm", cfg, b)
 
     def run(self) -> None:
         a = self.args
@@ -382,8 +361,10 @@ class Bench:
 
     def against_peers(self, name: str, found: dict[int, Timing], best: int | None) -> None:
         """The first model's comparisons: timm and the plain loop, the loader, the plan's memory."""
-        sections = {"peers": ("step_vs_timm_gpu", "step_vs_timm_gpu_token0", "zero2_vs_plain_gpu"),
-                    "loader": ("loader_vs_step_gpu",), "memory": ("plan_vs_measured_mem_gpu",)}
+        sections = {"peers": ("step_vs_timm_gpu", "step_vs_timm_gpu_eager", "step_vs_timm_gpu_token0",
+                              "zero2_vs_plain_gpu"),
+                    "loader": ("loader_vs_step_gpu",), "data_wait": (f"data_wait_{name}_gpu",),
+                    "memory": ("plan_vs_measured_mem_gpu",)}
         for section, names in sections.items():
             try:
                 if best is None:
@@ -393,6 +374,8 @@ class Bench:
                 elif section == "loader":
                     train_rate = best / found[best].step_s
                     ratio("loader_vs_step_gpu", self.loader_rate(self.cfg(name, best), best) / train_rate)
+                elif section == "data_wait":
+                    ratio(f"data_wait_{name}_gpu", self.data_wait(name, best))
                 else:
                     self.memory(name, best, found[best])
             except Exception:
@@ -409,30 +392,6 @@ class Bench:
         log(f"memory at b={best}: plan {planned / GiB:.3f} GiB{ctx}, measured max_memory_allocated "
             f"{r.peak_bytes / GiB:.3f} GiB" + ("" if self.cuda else " (no allocator statistics on the CPU)"))
         ratio("plan_vs_measured_mem_gpu", planned / r.peak_bytes)
-
-
-def write_images(root: Path, n: int, lo: int, hi: int, classes: int = 10) -> None:
-    """``n`` photo-like JPEGs (smooth colour fields, shapes, sensor noise; q90) of lo..hi px a side
-    in an ImageFolder tree."""
-    from PIL import Image, ImageDraw, ImageFilter
-
-    rng = np.random.default_rng(0)
-    for i in range(n):
-        w, h = (int(v) for v in rng.integers(lo, hi + 1, 2))
-        y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-        chans = [np.sin(x / rng.uniform(15, 90) + rng.uniform(0, 6)) * 50
-                 + np.cos(y / rng.uniform(15, 90) + rng.uniform(0, 6)) * 40 + rng.uniform(60, 190) for _ in range(3)]
-        im = Image.fromarray(np.clip(np.stack(chans, -1) + rng.normal(0, 8, (h, w, 3)), 0, 255).astype(np.uint8))
-        d = ImageDraw.Draw(im)
-        for _ in range(8):
-            x0, y0 = int(rng.integers(0, w)), int(rng.integers(0, h))
-            d.ellipse([x0, y0, x0 + int(rng.integers(8, w // 2)), y0 + int(rng.integers(8, h // 2))],
-                      fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
-        folder = root / f"c{i % classes:02d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        buf = io.BytesIO()
-        im.filter(ImageFilter.GaussianBlur(1.0)).save(buf, "JPEG", quality=90)
-        (folder / f"{i:05d}.jpg").write_bytes(buf.getvalue())
 
 
 def recipe_step(name: str, resources: str | None) -> tuple[int, int, int, bool]:
@@ -480,7 +439,11 @@ def main(argv=None) -> int:
 
     try:
         with contextlib.redirect_stdout(sys.stderr):  # libraries' prints must not mix with the ratio lines
-            Bench(a).run()
+            bench = Bench(a)
+            try:
+                bench.run()
+            finally:
+                bench.close()  # the loader's shards
     finally:
         leave_process_group()
     return 0

@@ -48,15 +48,16 @@ def needs_service(item) -> bool:
 
 
 # `make test` runs the suite as two pytest processes at once (tests/run_with_services.sh): "cluster",
-# the SLURM tests one after another (they share the two-node cluster) beside the unit tests, and
-# "rest", everything else. The SLURM tests spend much of their time waiting on the scheduler and the
-# unit tests use one core, so the two streams fill the machine's cores where one would leave them idle.
+# the SLURM tests one after another (they share the two-node cluster) and every test that starts no
+# ranks of its own (unit tests, one-process stages, servers); and "rest", the tests marked distributed,
+# whose ranks run here (DeepSpeed over gloo). The first kind mostly waits (on the scheduler, a server,
+# a timeout) or uses one core, so beside the second they fill cores one stream would leave idle.
 STREAM = os.environ.pop("VITP_TEST_STREAM", None)  # not inherited by a pytest a test starts
 
 
 def in_cluster_stream(item) -> bool:
-    return (Path(str(item.fspath)).is_relative_to(ROOT / "tests" / "unit") or item.get_closest_marker("slurm")
-            or "slurm_cluster" in getattr(item, "fixturenames", ()))
+    slurm = item.get_closest_marker("slurm") or "slurm_cluster" in getattr(item, "fixturenames", ())
+    return bool(slurm or not item.get_closest_marker("distributed"))
 
 
 def pytest_collection_modifyitems(config, items):

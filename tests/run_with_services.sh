@@ -40,8 +40,9 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 # VITP_TEST_STREAMS=2 (`make test`): two pytest processes at once, split by tests/conftest.py
-# (VITP_TEST_STREAM): the SLURM tests, serially, beside the unit tests; and the rest. Each has its
-# own temp folder; the cluster stream's report is printed after the rest's. Else one pytest.
+# (VITP_TEST_STREAM): the SLURM tests, serially, with every test that starts no ranks of its own; and
+# the multi-rank tests. Each has its own temp folder; the cluster stream's report is printed after
+# the other's. Else one pytest.
 streams=${VITP_TEST_STREAMS:-1}
 unset VITP_TEST_STREAMS  # a run_with_services.sh a test starts runs one pytest
 t0=$(date +%s)
@@ -55,7 +56,7 @@ if [ "$streams" = 2 ]; then
   wait "$cluster_pid"
   rc_cluster=$?
   echo
-  echo "=== the cluster stream (SLURM tests and unit tests, run beside the above) ==="
+  echo "=== the cluster stream (SLURM tests, one after another, and the tests that start no ranks), run beside the above ==="
   cat "$tmp/cluster.log"
   # one stream may select nothing (a path given that is all in the other): 5 only when both ran nothing
   if [ $rc_rest = 5 ] && [ $rc_cluster = 5 ]; then rc=5

@@ -111,8 +111,9 @@ def classify(model: torch.nn.Module, batches: Iterable[Batch], num_classes: int,
     batches: a sized iterable of (images [B, C, H, W], labels [B][, valid [B]]); `prepare` maps the
     raw images on the device (e.g. uint8 -> normalised float). model(x): logits [B, num_classes].
     ``loss(logits, y)`` -> per-sample loss [B] (default: cross-entropy). ``dummy_shape``: the image
-    shape [1, C, H, W] a rank feeds while others still have batches (the model's forward may be
-    collective). Labels >= num_classes are an error. No host<->device sync inside the loop.
+    shape [B, C, H, W] a rank feeds while others still have batches (the model's forward may be
+    collective); the batches' own B, so a compiled model sees no other shape. Labels >= num_classes
+    are an error. No host<->device sync inside the loop.
     ``confusion``: also count the [K, K] confusion matrix (`vitp eval` writes it); without it only
     per-class hits and samples (2K counts: what in-training validation logs).
     """
@@ -406,7 +407,7 @@ def score_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batch: 
                              f"{getattr(model, 'num_classes', 0)}; use few-shot or the linear probe instead")
     if classify_split and multi:
         ml = classify_multilabel(model, load(split), k, device=device, prepare=prepare, autocast=autocast,
-                                 dummy_shape=(1, 3, img, img), mean_ap=True)
+                                 dummy_shape=(batch, 3, img, img), mean_ap=True)
         out.update(ml.metrics(split))
         out[f"{split}/images_per_s"] = ml.images_per_s
         if rank == 0 and out_dir is not None:
@@ -415,7 +416,7 @@ def score_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batch: 
                                          for c, a in enumerate(ml.ap or [])]))
     elif classify_split:
         res = classify(model, load(split), k, device=device, prepare=prepare, autocast=autocast,
-                       dummy_shape=(1, 3, img, img))
+                       dummy_shape=(batch, 3, img, img))
         out.update(res.metrics(split))
         out[f"{split}/images_per_s"] = res.images_per_s
         if rank == 0 and out_dir is not None:

@@ -200,7 +200,7 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     train_log = TrainLog(schedule, window, engine, loader, drops, flops, hit_key, every=t.log_every,
                          last_step=t.steps, global_batch=t.global_batch, peak_flops=cfg.hardware.peak_tflops * 1e12)
     validation = Validation(val_loader, every=t.eval_every, engine=engine, source=source, num_classes=num_classes,
-                            device=device, dtype=dtype, img_size=cfg.model.img_size,
+                            device=device, dtype=dtype, img_size=cfg.model.img_size, batch=cfg.eval.batch,
                             loss=functools.partial(loss_fn, t.loss, reduction="none"))
     e = cfg.eval
     fewshot = FewshotEvaluators(engine, device, dtype, data=e.fewshot_data, shots=e.fewshot_shots,

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pipeline.config.sections import REDUCE_DTYPE
 from pipeline.distributed import bound_collectives, comm_device
+from pipeline.train import compiled
 
 
 @functools.cache
@@ -248,10 +249,10 @@ def param_groups_layer_decay(model: torch.nn.Module, lr_decay: float | None, wei
 def compile_blocks(model: torch.nn.Module, cfg) -> int:
     """torch.compile each transformer block in place (train.compile; None: on GPUs only); returns
     how many. Per block, not the whole model: one graph reused depth times compiles fast, and
-    DeepSpeed's hooks and activation checkpointing stay outside the compiled regions."""
+    DeepSpeed's hooks and activation checkpointing stay outside the compiled regions. How many
+    variants a run compiles, and the recompile limit set for them: pipeline/train/compiled.py."""
     want = cfg.train.compile if cfg.train.compile is not None else _on_gpu()
-    blocks = list(getattr(model, "blocks", []))
-    if not want or not blocks:
+    if not want or not list(getattr(model, "blocks", [])):
         return 0
     if cfg.engine.zero_stage == 3:
         import warnings
@@ -259,9 +260,7 @@ def compile_blocks(model: torch.nn.Module, cfg) -> int:
         warnings.warn("train.compile: skipped under ZeRO-3 (its parameter hooks break the block graphs)",
                       stacklevel=2)
         return 0
-    for blk in blocks:
-        blk.compile()
-    return len(blocks)
+    return compiled.compile_blocks(model, cfg)
 
 
 def make_optimizer(param_groups: list[dict], cfg) -> torch.optim.Optimizer:

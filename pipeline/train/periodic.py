@@ -173,10 +173,11 @@ class Validation:
     name = "validation"
 
     def __init__(self, loader, *, every: int, engine, source, num_classes: int, device, dtype,
-                 loss: Callable, img_size: int):
+                 loss: Callable, img_size: int, batch: int):
         self.loader, self.every, self.engine, self.source = loader, every, engine, source
         self.num_classes, self.device, self.dtype, self.loss = num_classes, device, dtype, loss
-        self.dummy_shape = (1, 3, img_size, img_size)
+        # a full batch (eval.batch), as the loader's: a compiled block sees one evaluation shape
+        self.dummy_shape = (batch, 3, img_size, img_size)
         self.last: dict | None = None  # the newest result of this process
 
     @property

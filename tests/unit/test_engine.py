@@ -1,6 +1,7 @@
 """Config → DeepSpeed JSON, the optimizer/param-group plumbing, schedules and the synthetic loader."""
 
 import sys
+import warnings
 
 import pytest
 import torch
@@ -274,6 +275,81 @@ def test_train_compile_compiles_each_block_and_keeps_the_numbers():
     torch.testing.assert_close(compiled.blocks[0].mlp.fc1.weight.grad, eager.blocks[0].mlp.fc1.weight.grad,
                                rtol=1e-4, atol=1e-5)
 
+
+
+class _Graphs:
+    """A torch.compile backend that runs each graph Dynamo captured as it is and counts them: one per
+    cache entry of a function without graph breaks."""
+
+    def __init__(self):
+        self.made = 0
+
+    def __call__(self, gm, example_inputs):
+        self.made += 1
+        return gm.forward
+
+
+class _ShortRank(list):
+    """A rank's evaluation batches that end before the other ranks' (its len counts one more): the
+    eval loop feeds it a dummy batch for the missing one."""
+
+    def __len__(self) -> int:
+        return super().__len__() + 1
+
+
+def test_compiled_blocks_stay_within_their_variants_and_say_when_one_falls_back():
+    """Compiled blocks through training with patch dropping, validation with a dummy batch, training on
+    every patch (past train.patch_drop_until) and validation again: Dynamo's entries for the blocks
+    (shared by all of them) stay within block_variants, under the limit compile_blocks set. With the
+    limit forced to 1, the last block falls back with one warning line. The entries are Dynamo's (its
+    guards decide them, whatever backend compiles the graphs): a backend that runs the graphs as they
+    are and counts them keeps this test to seconds, where inductor takes two minutes on a cold cache
+    (the tiny run measured with inductor made the same entries: the README's GPU section)."""
+    from pipeline.eval.classify import classify
+    from pipeline.model import build_vit, draw_keep
+    from pipeline.train import compiled
+    from pipeline.train.periodic import Validation
+
+    kw = dict(width=32, depth=2, heads=2, mlp_dim=64, patch=4, img_size=16, num_classes=5)
+    cfg = load_config(TINY, ["train.compile=true", "model.patch_drop=0.5", "eval.batch=6"])
+    graphs = _Graphs()
+    torch._dynamo.reset()
+    try:
+        torch.manual_seed(0)
+        model = build_vit(**kw)
+        assert compiled.compile_blocks(model, cfg, backend=graphs) == 2
+        bound = compiled.block_variants(model, cfg)
+        assert bound == 6 and torch._dynamo.config.recompile_limit >= bound
+        val = Validation(None, every=1, engine=model, source=None, num_classes=5, device="cpu",
+                         dtype=torch.float32, loss=None, img_size=16, batch=cfg.eval.batch)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(4, 3, 16, 16)
+        evals = _ShortRank([(torch.randint(0, 256, (6, 3, 16, 16), dtype=torch.uint8), torch.arange(6) % 5)])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no block falls back
+            for keep in (draw_keep(4, 16, 0.5, g), draw_keep(4, 16, 0.5, g), None, None):
+                model.train()
+                model(x, keep=keep).logsumexp(-1).sum().backward()
+                res = classify(model, evals, 5, prepare=lambda im: im.float() / 255, dummy_shape=val.dummy_shape)
+                assert res.n == 6  # the dummy batch counts no image
+        assert 0 < graphs.made <= bound
+
+        torch._dynamo.reset()
+        fresh = build_vit(**kw)
+        fresh.load_state_dict(model.state_dict())
+        compiled.compile_blocks(fresh, cfg, backend=(one := _Graphs()))
+        with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RuntimeWarning) as got:
+            out = fresh(x)  # blocks.0 compiles the one entry; the last block's token-0 path fits none
+        lines = [str(w.message) for w in got if "runs uncompiled" in str(w.message)]
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert lines[0].startswith("blocks.1 runs uncompiled: Dynamo's recompile_limit (1)"), lines[0]
+        assert "first_token_only" in lines[0]  # the reason: the guard that failed
+        assert one.made == 1
+        eager = build_vit(**kw)
+        eager.load_state_dict(model.state_dict())
+        torch.testing.assert_close(out, eager(x), rtol=1e-4, atol=1e-5)  # the eager block computes the same
+    finally:
+        torch._dynamo.reset()  # nothing of this test's caches (nor its spent limit) reaches the next one
 
 _KNOBS = """
 import json, os, sys, torch, torch.nn.functional as F

@@ -55,3 +55,20 @@ def test_bench_gpu_step_help_and_recipe_step():
         mb, accum, zero, ckpt = gpu_step.recipe_step(name, res)
         assert (mb, zero, ckpt) == (cfg.train.micro_batch, cfg.engine.zero_stage, cfg.model.grad_checkpointing)
         assert mb * accum * cfg.cluster.nodes * 8 == cfg.train.global_batch  # 8 GPUs per node in h100_8x.yaml
+
+
+def test_bench_gpu_step_smoke_prints_every_ratio_and_a_slow_loaders_wait():
+    """bench/gpu_step.py --smoke (every section on the CPU, one model) with the loader held 0.25 s per
+    batch at the loop's seam: its fed step reports that wait as data_wait; uncompiled on a CPU, the
+    compiled and uncompiled timm comparisons are one and the same pair."""
+    env = {**os.environ, "VITP_TEST_SLOW_BATCH_S": "0.25"}
+    r = subprocess.run([sys.executable, "bench/gpu_step.py", "--smoke", "--models", "vit_b16"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {name: float(v) for _, name, v in (line.split() for line in r.stdout.splitlines())}
+    assert list(got) == ["mfu_vit_b16", "step_vs_timm_gpu", "step_vs_timm_gpu_eager", "step_vs_timm_gpu_token0",
+                         "zero2_vs_plain_gpu", "loader_vs_step_gpu", "data_wait_vit_b16_gpu",
+                         "plan_vs_measured_mem_gpu", "mfu_vit_b16_recipe", "zero1_vs_zero2_gpu"], r.stdout
+    assert got["step_vs_timm_gpu_eager"] == got["step_vs_timm_gpu"] > 0
+    # 0.25 s waited per step of a tiny model (tens of ms here): most of the wall time
+    assert 0.5 < got["data_wait_vit_b16_gpu"] < 1.0, r.stderr[-3000:]

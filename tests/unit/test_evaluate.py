@@ -85,7 +85,7 @@ loader = source.eval_loader(DataCfg(path=path), img_size=8, batch=4, rank=0, wor
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, K))
 v = Validation(loader, every=1, engine=model, source=source, num_classes=K, device=torch.device("cpu"),
-               dtype=torch.float32, loss=functools.partial(F.cross_entropy, reduction="none"), img_size=8)
+               dtype=torch.float32, loss=functools.partial(F.cross_entropy, reduction="none"), img_size=8, batch=4)
 list(loader)  # decoded once before: the measure is the validation's own
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 record = v.run(1)

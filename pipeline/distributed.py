@@ -471,9 +471,8 @@ def wait_for_rank0() -> None:
 
     A barrier on a group would sit inside the group's timeout (engine.collective_timeout_s; gloo applies
     it to the ranks that wait for rank 0 even in monitored_barrier), so the wait is on the
-    rendezvous store, with its own timeout. When rank 0 dies the store goes with it and the others fail
-    at once; when another rank dies the others wait on until their launcher ends them (vitp's own,
-    srun and torchrun's agent all send TERM, then KILL after a grace period), not for a day.
+    rendezvous store, with its own timeout. Rank 0's death takes the store down: the others fail at once;
+    another rank's leaves them waiting for their launcher's TERM-then-KILL (vitp's, srun, torchrun's).
     """
     import datetime
 

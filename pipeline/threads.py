@@ -11,7 +11,7 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def use_cpu_threads(n: int, environ=None) -> str | None:
     """Give this rank ``n`` CPU threads (cluster.cpus_per_task): torch's intra-op pool (its fp32 sums
     split by thread count, so it decides a CPU run's last bits), its inter-op pool where still unset,
-    and THREAD_VARS for the processes the rank starts. Loader workers take 1 each (data/loader.py).
+    and THREAD_VARS for the processes the rank starts. Loader workers take 1 each (data/workers.py).
 
     The config wins over an OMP_NUM_THREADS in the environment: torchrun puts 1 there for every rank
     it starts, a SLURM task or submitit's local executor nothing, and inside the rank a user's value

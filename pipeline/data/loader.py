@@ -27,12 +27,9 @@ its settings from one frozen :class:`StreamSpec`.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import math
-import multiprocessing.util  # noqa: F401  (its exit handler is registered before ours, so ours runs first)
 import os
-import signal
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -68,6 +65,7 @@ from .shards import (  # noqa: F401 (re-exported: callers import the dataset API
 )
 from .source import ClassLoaders, DataSource
 from .stream import ReadPolicy, io_stats
+from .workers import end_workers, init_worker
 
 __all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "normalize", "DataError",
            "SKIP_REASONS", "ShardSource", "StreamSpec", "collate_as_is"]
@@ -87,32 +85,6 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
 def _worker() -> tuple[int, int]:
     wi = get_worker_info()
     return (0, 1) if wi is None else (wi.id, wi.num_workers)
-
-
-def _init_worker(_):
-    torch.set_num_threads(1)  # decode/augment is per-sample; intra-op threads only fight each other
-    # SLURM sends its stop signals (USR2 before the time limit or on preemption, TERM on scancel) to every
-    # process of the task. They ask the main process to finish the step and save, which needs the workers
-    # alive until then: torch's worker handler would die of TERM, and USR2's default action kills. The
-    # workers still end with their loader, or with the main process (torch's parent watchdog), or by KILL.
-    for sig in (signal.SIGTERM, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_IGN)
-
-
-def _kill_workers_at_exit() -> None:
-    """At interpreter exit multiprocessing terminates (SIGTERM) its daemonic children, loader workers
-    among them, and then joins them: workers that ignore TERM would be waited for forever whenever a
-    loader was not shut down before exit (its iterator in a reference cycle no collection freed yet,
-    a stage leaving by an exception). So they get KILL instead, the same end. Registered after
-    multiprocessing's own exit handler, so it runs first."""
-    workers = [p for p in multiprocessing.active_children() if p.daemon]
-    if workers:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report each as a crash
-    for p in workers:
-        p.kill()
-
-
-atexit.register(_kill_workers_at_exit)
 
 
 def _io() -> tuple[int, int, float]:
@@ -142,30 +114,12 @@ def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
     if workers <= 0:
         yield from _one_line_errors(map(_unwire, ds))
         return
-    it = iter(DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=_init_worker,
+    it = iter(DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=init_worker,
                          collate_fn=collate_as_is, pin_memory=pin_memory, persistent_workers=False))
     try:
         yield from _one_line_errors(map(_unwire, it))
     finally:
-        _end_workers(it)
-
-
-def _end_workers(it) -> None:
-    """Workers of a loader left before its end (a read error, a consumer that stops early) end now.
-    They may be inside a fetch (a slow or refused read retrying), and they ignore TERM (_init_worker),
-    so torch's own shutdown would wait 2 x 5 s for each before giving up on it, whenever the iterator
-    happens to be collected. They get KILL, as at exit (_kill_workers_at_exit); torch's shutdown then
-    only reaps them. A loader that reached its end has shut its workers down already (nothing to do)."""
-    if getattr(it, "_shutdown", True):
-        return
-    from torch.utils.data._utils import signal_handling
-
-    if it._worker_pids_set:  # torch's SIGCHLD check would report each killed worker as a crash
-        signal_handling._remove_worker_pids(id(it))
-        it._worker_pids_set = False
-    for w in it._workers:
-        w.kill()
-    it._shutdown_workers()
+        end_workers(it)
 
 
 def _one_line_errors(batches):

@@ -49,8 +49,8 @@ demo: $(STAMP)
 
 # Installs the Debian packages the services need when missing (root with apt; else one line says what
 # to run), starts the services (local SLURM cluster when root, MLflow server), runs pytest, and stops
-# what it started, whatever pytest's outcome. Two pytest processes at once (VITP_TEST_STREAMS=2: the SLURM
-# tests, serially, with the tests that start no ranks; beside them the multi-rank tests), as the first
+# what it started, whatever pytest's outcome. Two pytest processes at once (VITP_TEST_STREAMS=2: the tests of
+# the services, serially, with the tests that start no ranks; beside them the multi-rank tests), as the first
 # kind leaves a core idle while it waits.
 test: $(STAMP) $(FLOOR_STAMP)
 	VITP_TEST_STREAMS=2 VITP_PYTHON=$(abspath $(PY)) VITP_FLOOR_PYTHON=$(abspath $(FLOOR_PY)) bash tests/run_with_services.sh $(PYTEST_ARGS)

@@ -48,16 +48,17 @@ def needs_service(item) -> bool:
 
 
 # `make test` runs the suite as two pytest processes at once (tests/run_with_services.sh): "cluster",
-# the SLURM tests one after another (they share the two-node cluster) and every test that starts no
-# ranks of its own (unit tests, one-process stages, servers); and "rest", the tests marked distributed,
-# whose ranks run here (DeepSpeed over gloo). The first kind mostly waits (on the scheduler, a server,
+# the tests of the services one after another (they share the cluster and the MLflow server) and
+# every test that starts no ranks of its own (unit tests, one-process stages); and "rest", the tests
+# marked distributed, whose ranks run here (DeepSpeed over gloo). The first kind mostly waits (on the scheduler, a server,
 # a timeout) or uses one core, so beside the second they fill cores one stream would leave idle.
 STREAM = os.environ.pop("VITP_TEST_STREAM", None)  # not inherited by a pytest a test starts
 
 
 def in_cluster_stream(item) -> bool:
-    slurm = item.get_closest_marker("slurm") or "slurm_cluster" in getattr(item, "fixturenames", ())
-    return bool(slurm or not item.get_closest_marker("distributed"))
+    # Every test of a shared service runs in this stream: some stop the MLflow server (an outage
+    # mid-run) and a test beside them in the other stream would find it down.
+    return bool(needs_service(item) or not item.get_closest_marker("distributed"))
 
 
 def pytest_collection_modifyitems(config, items):

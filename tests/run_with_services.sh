@@ -40,9 +40,9 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 # VITP_TEST_STREAMS=2 (`make test`): two pytest processes at once, split by tests/conftest.py
-# (VITP_TEST_STREAM): the SLURM tests, serially, with every test that starts no ranks of its own; and
-# the multi-rank tests. Each has its own temp folder; the cluster stream's report is printed after
-# the other's. Else one pytest.
+# (VITP_TEST_STREAM): the tests of the SLURM cluster and the MLflow server, serially (one may stop the
+# server), with every test that starts no ranks of its own; and the multi-rank tests. Each has its
+# own temp folder; the cluster stream's report is printed after the other's. Else one pytest.
 streams=${VITP_TEST_STREAMS:-1}
 unset VITP_TEST_STREAMS  # a run_with_services.sh a test starts runs one pytest
 t0=$(date +%s)

@@ -32,17 +32,28 @@ def stop_on_term() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: stopping.request_stop("cancel"))
 
 
-def check_addresses(cfg) -> None:
-    """Every remote dataset the stage reads (data.path, eval.fewshot_data) answers, before anything is
-    queued or started: a missing bucket, a 403 or a 404 is one line naming the key, the address
-    (without its query string) and the reason (data_prep.store.AddressError, exit 2). Local folders
-    are checked, with their split names, by pipeline.data.check_splits."""
+def evaluators_of(cfg, stage: str | None = None) -> list:
+    """The declared evaluators (pipeline/eval/evaluators) of ``stage`` (default: a training stage for
+    a training config, else eval), checked without reading data: a bad entry is one line naming its
+    key (exit 2) before anything is queued or started."""
+    from pipeline.config import Config
+    from pipeline.eval import evaluators as evals
+
+    training = stage != "eval" if stage else isinstance(cfg, Config)
+    return evals.declare(evals.run_entries(cfg) if training else evals.eval_entries(cfg))
+
+
+def check_addresses(cfg, stage: str | None = None) -> None:
+    """Every remote dataset the stage reads (data.path, each evaluator's data) answers, before
+    anything is queued or started: a missing bucket, a 403 or a 404 is one line naming the key, the
+    address (without its query string) and the reason (data_prep.store.AddressError, exit 2). Local
+    folders are checked, with their split names, by pipeline.data.check_splits."""
     from data_prep import store
     from data_prep.schema import INFO_FILE
-    from pipeline.config import fewshot_sets
 
-    fewshot = getattr(getattr(cfg, "eval", None), "fewshot_data", None) or []
-    for key, address in [("data.path", cfg.data.path), *(("eval.fewshot_data", a) for _, a in fewshot_sets(fewshot))]:
+    extra = [(f"{d.key}.data" if d.key.startswith("evals[") else d.key, d.entry.data)
+             for d in evaluators_of(cfg, stage)]
+    for key, address in [("data.path", cfg.data.path), *extra]:
         if address and store.is_remote(address):
             store.check_readable(store.join(address, INFO_FILE), key)
 
@@ -125,6 +136,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
                    help="per rank, cap on training images read for few-shot / linear probe features")
     p.add_argument("--out", default=None, help="where results.json and artifacts go (default: the run dir, "
                                                "else ./eval_<checkpoint name>)")
+    p.add_argument("--evals", default=None, metavar="FILE",
+                   help="a YAML list of evaluators (or a file with an evals: list), run instead of the ones "
+                        "--no-top1/--fewshot/--linear-probe choose (see the README's evaluation section)")
 
 
 def eval_overrides(args: argparse.Namespace) -> list[str]:
@@ -149,7 +163,28 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
           "eval.fewshot_l2": args.l2, "eval.linear_probe": args.linear_probe, "eval.top1": not args.no_top1,
           "eval.variant": args.model, "eval.img_size": args.img_size, "eval.batch": args.batch,
           "eval.max_train_images": args.max_train_images, "eval.out": args.out}
+    if args.evals:
+        kv["evals"] = read_evals_file(args.evals)
     return [f"{k}={json.dumps(v)}" for k, v in kv.items()]
+
+
+def read_evals_file(path: str) -> list:
+    """``--evals FILE``: a YAML list of evaluator entries, or a mapping whose ``evals`` key holds one."""
+    import yaml
+
+    from pipeline.config import ConfigError
+
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"--evals {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--evals {path}: not YAML ({str(e).splitlines()[0]})") from None
+    if isinstance(doc, dict) and "evals" in doc:
+        doc = doc["evals"]
+    if not isinstance(doc, list) or not doc:
+        raise ConfigError(f"--evals {path}: expected a non-empty list of evaluators (or an evals: list)")
+    return doc
 
 
 def print_eval(res) -> None:

@@ -40,7 +40,7 @@ from .jobs import (  # noqa: F401 (cli table)
     wait,
 )
 from .preempt import STAGE_TARGETS, StageJob, stage_schema
-from .stages import check_addresses
+from .stages import check_addresses, evaluators_of
 from .submit_args import SubmitError, eval_parser, parse_sweep, prep_parser, split_shards, stage_parser
 
 STAGES = ("prep", "pretrain", "transfer", "eval")
@@ -147,21 +147,19 @@ def check_data(cfg, stage: str) -> None:
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
     from data_prep import store
     from data_prep.schema import INFO_FILE, DatasetInfo
-    from pipeline.config import fewshot_sets
     from pipeline.data import DataError, check_splits
     from pipeline.data.synthetic import is_synthetic
+    from pipeline.eval.evaluators import check_data as check_evaluators_data
 
     path = cfg.data.path
     if stage == "eval" and not path:
         return
     if not path:
         raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
-    check_addresses(cfg)  # remote datasets answer (bucket, 403, 404) before their splits are read
+    check_addresses(cfg, stage)  # remote datasets answer (bucket, 403, 404) before their splits are read
     try:
         check_splits(path, splits_read(cfg, stage))
-        for _name, folder in fewshot_sets(cfg.eval.fewshot_data) if stage != "eval" else []:  # in-run evaluators
-            for split in ("train", "test"):
-                check_splits(folder, {"eval.fewshot_data": split})
+        check_evaluators_data(evaluators_of(cfg, stage), path)  # the declared evaluators' splits
     except DataError as e:
         raise SubmitError(str(e)) from None
     if stage == "eval" or cfg.data.resampled or is_synthetic(path):

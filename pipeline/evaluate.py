@@ -1,9 +1,11 @@
 """The evaluation stage: ``evaluate(cfg) -> EvalResult``, for `vitp eval` and `vitp submit eval`.
 
-Scores the checkpoint ``cfg.eval.checkpoint`` on ``cfg.data.path``: top-1/top-5, per-class accuracy
-and the confusion matrix on ``cfg.eval.split``; few-shot linear evaluation and a linear probe on
-frozen features fitted on ``cfg.data.train_split``. Under a launcher every rank scores its own part
-of the split; rank 0 writes ``results.json`` (keys ``eval/...``) and the artifacts.
+Runs the declared evaluators (pipeline/eval/evaluators: ``evals:``, from ``--evals FILE``; else the
+flags' entries on ``cfg.eval.split``: top-1/top-5, per-class accuracy and the confusion matrix;
+few-shot linear evaluation and a linear probe on frozen features fitted on ``cfg.data.train_split``)
+on the checkpoint ``cfg.eval.checkpoint``, the same classes a training run runs. Under a launcher
+every rank scores its own part of each split; rank 0 writes ``results.json`` (keys ``eval/...``)
+and the artifacts.
 
 MLflow: the evaluation is a run of its own, nested under the run that wrote the checkpoint (the
 checkpoint's manifest names it and its store), with the splits as dataset inputs, the metrics
@@ -24,7 +26,9 @@ import torch
 from pipeline.config import ConfigError, EvalConfig, flatten
 from pipeline.data import DataError, dataset_inputs, read_info
 from pipeline.distributed import comm_device, rank_world, setup
-from pipeline.eval.classify import score_model, write_results
+from pipeline.eval import evaluators as evals
+from pipeline.eval.classify import write_results
+from pipeline.eval.task import Task
 from pipeline.tracking import Sinks
 from pipeline.tracking.setup import Tracking
 from pipeline.train import checkpoint as ckpt_lib
@@ -49,6 +53,7 @@ class CheckpointRun:
     uri: str | None = None
     experiment: str | None = None
     step: int = 0
+    loss: str | None = None  # train.loss of the run (None: not recorded)
 
 
 def run_of_checkpoint(checkpoint: str | os.PathLike) -> CheckpointRun:
@@ -64,7 +69,8 @@ def run_of_checkpoint(checkpoint: str | os.PathLike) -> CheckpointRun:
     if uri is None or (uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()):
         local = run_dir / "mlflow.db"  # the default store, or the run dir moved since
         uri = f"sqlite:///{local.resolve()}" if local.is_file() else None
-    return CheckpointRun(man.get("mlflow_run_id"), uri, conf.get("tracking.experiment"), int(man.get("step") or 0))
+    return CheckpointRun(man.get("mlflow_run_id"), uri, conf.get("tracking.experiment"), int(man.get("step") or 0),
+                         conf.get("train.loss"))
 
 
 def default_out(checkpoint: str) -> Path:
@@ -76,44 +82,43 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     e = cfg.eval
     if not e.checkpoint:
         raise ConfigError("eval.checkpoint: give the run directory or weights file to evaluate")
-    if not e.top1 and not e.fewshot and not e.linear_probe:
-        raise ConfigError("eval: nothing to do (top1, fewshot and linear_probe are all off)")
-    for split in [e.split, *([cfg.data.train_split] if e.fewshot or e.linear_probe else [])]:
-        try:
-            read_info(cfg.data.path).split(split)
-        except DataError as err:
-            raise FileNotFoundError(str(err)) from None
+    declared = evals.declare(evals.eval_entries(cfg))
+    try:
+        evals.check_data(declared, cfg.data.path)
+    except DataError as err:
+        raise FileNotFoundError(str(err)) from None
     setup(cfg)
     device = comm_device()
     rank, world = rank_world()
     model = load_model(e.checkpoint, variant=e.variant, img_size=e.img_size).to(device)
     out_dir = Path(e.out) if e.out else default_out(e.checkpoint)
-    tracker, parent = _start_tracking(cfg, out_dir, rank, world)
+    img = model.img_size[0] if isinstance(model.img_size, tuple) else int(model.img_size)
+    task = Task.of(read_info(cfg.data.path), run_of_checkpoint(e.checkpoint).loss)  # as the run trained
+    ctx = evals.Context(cfg.data, task, img_size=img, batch=e.batch, device=device, rank=rank, world=world,
+                        autocast=torch.bfloat16 if device.type == "cuda" else None, report=True, out_dir=out_dir)
+    tracker, parent = _start_tracking(cfg, declared, out_dir, rank, world)
     try:
-        res = score_model(model, cfg.data, split=e.split, batch=e.batch, device=device, classify_split=e.top1,
-                             fewshot_cfg=e if e.fewshot else None, linear_probe=e.linear_probe, out_dir=out_dir,
-                             train_split=cfg.data.train_split, max_train_images=e.max_train_images,
-                             autocast=torch.bfloat16 if device.type == "cuda" else None)
+        res = evals.run_all([d.build(ctx) for d in declared], model, parent.step)
     except BaseException:
         tracker.close(status="FAILED", timeout=10.0)
         raise
-    text = res.pop("fewshot_text", None)
-    metrics = {k: v for k, v in res.items() if isinstance(v, float)}
+    metrics = {k: v for k, v in res.metrics.items() if isinstance(v, float)}
     path = None
     if rank == 0:
-        path = str(write_results({f"eval/{k}": v for k, v in res.items()}, out_dir))
+        path = str(write_results({f"eval/{k}": v for k, v in res.metrics.items()}, out_dir))
         tracker.log(metrics, parent.step)
-        for a in res.get("artifacts", []):
+        for a in res.artifacts:
             if Path(a).name.startswith("per_class_"):  # MLflow's table format: the UI shows a table
                 tracker.log_table(json.loads(Path(a).read_text()), Path(a).name)
             else:
                 tracker.log_artifact(a)
         tracker.log_artifact(path)
         tracker.close(status="FINISHED", timeout=cfg.tracking.close_timeout_s)
-    return EvalResult("completed", metrics, path, text, tracker.run_id, parent.run_id)
+    return EvalResult("completed", metrics, path, "\n".join(res.texts) or None, tracker.run_id, parent.run_id)
 
 
-def _start_tracking(cfg: EvalConfig, out_dir: Path, rank: int, world: int) -> tuple[Sinks, CheckpointRun]:
+def _start_tracking(cfg: EvalConfig, declared: list, out_dir: Path, rank: int, world: int
+                    ) -> tuple[Sinks, CheckpointRun]:
     """The evaluation's run (rank 0): under the evaluated run when there is one; else top-level when
     $MLFLOW_TRACKING_URI is set; else none. Plus the tracking.sinks, on rank 0."""
     e, parent = cfg.eval, run_of_checkpoint(cfg.eval.checkpoint)
@@ -122,7 +127,11 @@ def _start_tracking(cfg: EvalConfig, out_dir: Path, rank: int, world: int) -> tu
     extra = tracking.extra_sinks()
     if rank != 0 or not uri or not cfg.tracking.enabled:
         return Sinks(*extra), parent
-    splits = {e.split: "evaluation", **({cfg.data.train_split: "training"} if e.fewshot or e.linear_probe else {})}
+    splits = {}  # the default dataset's splits the evaluators read
+    for d in declared:
+        if not d.entry.data or d.entry.data == cfg.data.path:
+            splits.update({getattr(d.entry, s): "training" if s == "train_split" else "evaluation"
+                           for s in d.cls.splits})
     tracker = tracking.mlflow(world_size=world, stage="eval", uri=uri, parent_run_id=parent.run_id,
                               run_name=f"eval-{e.split}", experiment=parent.experiment or cfg.tracking.experiment,
                               params={k: v for k, v in flatten(cfg).items() if k.startswith(("eval.", "data."))},

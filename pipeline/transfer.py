@@ -17,10 +17,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import Config, ConfigError
-from pipeline.data import check_splits
+from pipeline.config import Config, ConfigError, EvalEntry
+from pipeline.data import check_splits, read_info
 from pipeline.distributed import rank0_print, setup
-from pipeline.eval.classify import score_model, write_results
+from pipeline.eval import evaluators as evals
+from pipeline.eval.classify import write_results
+from pipeline.eval.task import Task
 from pipeline.rundir import own_run_dir
 from pipeline.train.build import build_run
 from pipeline.train.engine import param_groups_layer_decay
@@ -49,9 +51,15 @@ def transfer(cfg: Config) -> Result:
         device = run.engine.device
         final = load_model(Path(cfg.run.dir) / "model.safetensors").to(device)
         split = cfg.data.val_split or "val"
-        res = score_model(final, cfg.data, split=split, batch=cfg.eval.batch, device=device,
-                             linear_probe=cfg.eval.linear_probe, out_dir=cfg.run.dir,
-                             autocast=torch.bfloat16 if device.type == "cuda" else None)
+        entries = [("data.val_split", EvalEntry(name=split, type="classify", split=split))]
+        if cfg.eval.linear_probe:
+            entries.append(("eval.linear_probe", EvalEntry(name="linear_probe", type="linear_probe",
+                                                           train_split=cfg.data.train_split, test_split=split)))
+        ctx = evals.Context(cfg.data, Task.of(read_info(cfg.data.path), cfg.train.loss), img_size=cfg.model.img_size,
+                            batch=cfg.eval.batch, device=device, rank=run.rank, world=run.world, report=True,
+                            out_dir=Path(cfg.run.dir), autocast=torch.bfloat16 if device.type == "cuda" else None)
+        done = evals.run_all([d.build(ctx) for d in evals.declare(entries)], final, run.result.step)
+        res = done.metrics
         run.result.val_top1 = res.get(split + "/top1")  # None on multi-label data (prec1, mAP instead)
         if run.rank != 0:
             return
@@ -65,7 +73,7 @@ def transfer(cfg: Config) -> Result:
                               **({"mlflow.parentRunId": lineage["parent_run_id"]} if "parent_run_id" in lineage
                                  else {})})
         run.tracker.log({f"final/{k}": v for k, v in metrics.items()}, run.result.step)
-        for a in [path, *res.get("artifacts", [])]:
+        for a in [path, *done.artifacts]:
             run.tracker.log_artifact(a)
         # two images: the logged program's batch dimension stays dynamic (a batch of 1 would fix it)
         example = torch.zeros(2, 3, cfg.model.img_size, cfg.model.img_size).numpy()

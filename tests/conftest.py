@@ -50,8 +50,9 @@ def needs_service(item) -> bool:
 # `make test` runs the suite as two pytest processes at once (tests/run_with_services.sh): "cluster",
 # the tests of the services one after another (they share the cluster and the MLflow server) and
 # every test that starts no ranks of its own (unit tests, one-process stages); and "rest", the tests
-# marked distributed, whose ranks run here (DeepSpeed over gloo). The first kind mostly waits (on the scheduler, a server,
-# a timeout) or uses one core, so beside the second they fill cores one stream would leave idle.
+# marked distributed, whose ranks run here (DeepSpeed over gloo). The first kind mostly waits (on the
+# scheduler, a server, a timeout) or uses one core, so beside the second they fill cores one stream
+# would leave idle.
 STREAM = os.environ.pop("VITP_TEST_STREAM", None)  # not inherited by a pytest a test starts
 
 

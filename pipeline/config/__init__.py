@@ -37,6 +37,7 @@ from pipeline.config.sections import (
     EngineCfg,
     EvalCfg,
     EvalConfig,
+    EvalEntry,
     HardwareCfg,
     InitCfg,
     ModelCfg,
@@ -55,8 +56,8 @@ from pipeline.config.sections import (
 
 __all__ = [
     "RESOURCE_SECTIONS", "CheckpointCfg", "ClusterCfg", "Config", "ConfigError", "DataCfg", "EngineCfg", "EvalCfg",
-    "EvalConfig", "HardwareCfg", "InitCfg", "ModelCfg", "OptimCfg", "PrepConfig", "Resolved", "RunCfg", "ScheduleCfg",
-    "Section", "StageConfig", "TrackingCfg", "TrainCfg", "apply_overrides", "build", "fewshot_sets", "flatten",
-    "from_dict", "load_config", "resolve", "secret_values", "to_dict", "to_yaml", "validate", "world_size_from_env",
-    "write_resolved",
+    "EvalConfig", "EvalEntry", "HardwareCfg", "InitCfg", "ModelCfg", "OptimCfg", "PrepConfig", "Resolved", "RunCfg",
+    "ScheduleCfg", "Section", "StageConfig", "TrackingCfg", "TrainCfg", "apply_overrides", "build", "fewshot_sets",
+    "flatten", "from_dict", "load_config", "resolve", "secret_values", "to_dict", "to_yaml", "validate",
+    "world_size_from_env", "write_resolved",
 ]

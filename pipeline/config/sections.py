@@ -13,7 +13,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 
@@ -383,6 +383,45 @@ class EvalCfg(Section):
         return self
 
 
+class EvalEntry(Section):
+    """One declared evaluator (``evals:``): the common keys; the keys of its type's own options (a
+    fewshot's ``shots``, ``seeds``, ``l2``) are kept as given and checked against its type by
+    pipeline/eval/evaluators (the config layer knows no types)."""
+
+    model_config = ConfigDict(extra="allow", validate_by_name=True, validate_by_alias=True)
+
+    name: Str  # names its metrics and its checkpointed progress
+    type: Str  # a registered type (classify, fewshot, linear_probe) or package.module:Class
+    data: Str | None = None  # a `vitp prep` output at any address vitp reads; None: data.path
+    split: Str | None = None  # the split(s) the type reads: classify's
+    train_split: Str | None = None  # few-shot's and the linear probe's
+    test_split: Str | None = None
+    every: Int = Field(0, ge=0)  # steps between runs inside a training run; 0: only at the end
+    prefix: Str | None = None  # the metrics' prefix; None: the type's default
+
+    @model_validator(mode="after")
+    def _name(self):
+        if not re.fullmatch(r"[\w.-]+", self.name):
+            raise _problem(f"evals: name {self.name!r}: use [A-Za-z0-9_.-] (it names metrics and state)")
+        return self
+
+    @property
+    def options(self) -> dict:
+        """The type's own keys, as given."""
+        return dict(self.model_extra or {})
+
+
+def EvalList():  # noqa: N802 (a type)
+    def unique(v):
+        names = [e.name for e in v]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise _problem(f"evals: two evaluators named {dup!r}; each needs its own name")
+        return v
+
+    return Annotated[list[EvalEntry], BeforeValidator(_list), AfterValidator(unique)]
+
+
 # --------------------------------------------------------------------------------------------------
 # Stages: the sections each one reads
 # --------------------------------------------------------------------------------------------------
@@ -420,6 +459,7 @@ class Config(StageConfig):
     cluster: ClusterCfg = Field(default_factory=ClusterCfg)
     init: InitCfg = Field(default_factory=InitCfg)
     eval: EvalCfg = Field(default_factory=EvalCfg)
+    evals: EvalList() = Field(default_factory=list)  # declared evaluators (pipeline/eval/evaluators)
 
 
 class EvalConfig(StageConfig):
@@ -431,6 +471,7 @@ class EvalConfig(StageConfig):
     tracking: TrackingCfg = Field(default_factory=TrackingCfg)
     hardware: HardwareCfg = Field(default_factory=HardwareCfg)
     cluster: ClusterCfg = Field(default_factory=ClusterCfg)
+    evals: EvalList() = Field(default_factory=list)  # run instead of the eval.* flags' ones when given
 
 
 class PrepConfig(StageConfig):

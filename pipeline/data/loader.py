@@ -458,6 +458,13 @@ class ShardSource(ClassLoaders, DataSource):
     train_loader_class, eval_loader_class = TrainLoader, EvalLoader
     info_reader = staticmethod(read_info)
 
+    def split_labels(self, split: str, rank: int, world_size: int) -> dict[int, list]:
+        info = self.read_info()
+        sp = info.split(split)
+        return {s: [x[2] for x in read_shard(sp.urls[s], SkipCounts(), 0, None, num_classes=info.num_classes,
+                                             read=False)]
+                for s in range(rank, len(sp.urls), world_size)}
+
     def dataset_name(self) -> str:
         return os.path.basename(os.path.normpath(store.public(self.path).split("://", 1)[-1]))
 

@@ -17,7 +17,7 @@ Mixup/cutmix is not the source's business: :mod:`pipeline.data.mixing` does it, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -92,8 +92,10 @@ class DataSource(ABC):
 
     @abstractmethod
     def eval_loader(self, cfg_data, *, img_size: int, batch: int, rank: int, world_size: int,
-                    split: str) -> EvalBatches:
-        """This rank's share of ``split``, each sample once over the ranks."""
+                    split: str, positions: Sequence[int] | None = None, workers: int | None = None) -> EvalBatches:
+        """This rank's share of ``split``, each sample once over the ranks; ``positions``: only these
+        sorted positions of the split (a few-shot subset), cut the same way; ``workers``: decoding
+        processes (default data.workers)."""
 
     def training_loaders(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, eval_batch: int,
                          rank: int, world_size: int, seed: int, pin_memory: bool = False
@@ -105,6 +107,12 @@ class DataSource(ABC):
         val = (self.eval_loader(cfg_data, img_size=img_size, batch=eval_batch, rank=rank, world_size=world_size,
                                 split=cfg_data.val_split) if cfg_data.val_split else None)
         return train, val
+
+    @abstractmethod
+    def split_labels(self, split: str, rank: int, world_size: int) -> dict[int, list]:
+        """This rank's parts of ``split``'s labels, ``{part: [label of each position]}`` (parts r, r+W,
+        ...; a part is a shard): joined in part order over the ranks, every position's label, read
+        without decoding an image."""
 
     @staticmethod
     @abstractmethod
@@ -138,6 +146,6 @@ class ClassLoaders:
                                        pin_memory=pin_memory)
 
     def eval_loader(self, cfg_data, *, img_size: int, batch: int, rank: int, world_size: int,
-                    split: str) -> EvalBatches:
+                    split: str, positions: Sequence[int] | None = None, workers: int | None = None) -> EvalBatches:
         return self.eval_loader_class(cfg_data, img_size=img_size, batch=batch, rank=rank, world_size=world_size,
-                                      split=split)
+                                      split=split, positions=positions, num_workers=workers)

@@ -142,12 +142,13 @@ class EvalLoader:
     same number of batches; padding rows have valid=False and label -1."""
 
     def __init__(self, data_cfg, *, img_size: int, batch: int, rank: int = 0, world_size: int = 1,
-                 split: str = "val"):
+                 split: str = "val", positions=None, num_workers: int | None = None):
         self.spec = parse_spec(data_cfg.path)
         self.img_size, self.batch = img_size, batch
         n = self.spec["val" if split != "train" else "train"]
-        self.idx = list(range(rank, n, world_size))
-        per_rank = -(-n // world_size)  # ceil(n / world)
+        every = list(range(n)) if positions is None else list(positions)
+        self.idx = self.rank_positions = every[rank::world_size]  # generated on the fly: no workers
+        per_rank = -(-len(every) // world_size)  # ceil(n / world)
         self.num_batches = -(-per_rank // batch)
         self._templates = _templates(self.spec["classes"], img_size)
 
@@ -174,3 +175,8 @@ class SyntheticSource(ClassLoaders, DataSource):
 
     train_loader_class, eval_loader_class = TrainLoader, EvalLoader
     info_reader = staticmethod(read_info)
+
+    def split_labels(self, split: str, rank: int, world_size: int) -> dict[int, list]:
+        spec = parse_spec(self.path)
+        n = spec["val" if split != "train" else "train"]  # as EvalLoader reads it (salt 1)
+        return {0: [(i * 7 + 1) % spec["classes"] for i in range(n)]} if rank == 0 else {}

@@ -1,7 +1,7 @@
 """The one evaluation loop: top-1/top-5, loss, per-class accuracy and the confusion matrix on a split
-(used during training, after fine-tuning and by `vitp eval`); on multi-label data precision@1 and
-mean average precision instead; few-shot linear evaluation and a linear probe on frozen features
-(pipeline/eval/fewshot.py).
+(the classify evaluator's, pipeline/eval/evaluators: during training, after fine-tuning and in `vitp
+eval`); on multi-label data precision@1 and mean average precision instead; the features few-shot
+and the probe fit on (pipeline/eval/fewshot.py).
 
 Every rank reads its own part of the split (the loader hands each sample to exactly one rank), so
 the counts are summed across ranks in one all-reduce: of the confusion matrix for `vitp eval` (top-1,
@@ -21,9 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.data import read_info, source_for
 from pipeline.distributed import all_gather_object, all_reduce, rank_world
-from pipeline.eval import fewshot as fs
 from pipeline.eval.figures import pyplot
 from pipeline.files import write_json
 
@@ -360,80 +358,3 @@ def write_results(results: dict, run_dir: str | Path) -> Path:
     path = Path(run_dir) / "results.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     return write_json(path, {**old, **results})
-
-
-# --------------------------------------------------------------------------------------------------
-# Whole evaluations over a dataset (used by `vitp eval` and by the transfer stage)
-# --------------------------------------------------------------------------------------------------
-def eval_batches(data_cfg, split: str, *, img_size: int, batch: int, rank: int = 0, world_size: int = 1):
-    """This rank's share of `split`: (uint8 [B, 3, H, W], int64 [B]); every sample once over all ranks."""
-    return source_for(data_cfg.path).eval_loader(data_cfg, img_size=img_size, batch=batch, rank=rank,
-                                                 world_size=world_size, split=split)
-
-
-def dataset_info(data_cfg) -> tuple[int, list[str]]:
-    """(num_classes, class names) of the dataset at data_cfg.path."""
-    info = read_info(data_cfg.path)
-    return info.num_classes, list(info.classes)
-
-
-def score_model(model: torch.nn.Module, data_cfg, *, split: str = "val", batch: int = 64,
-                   device: torch.device | str = "cpu", classify_split: bool = True,
-                   fewshot_cfg=None, linear_probe: bool = False, out_dir: str | Path | None = None,
-                   autocast: torch.dtype | None = None, train_split: str = "train",
-                   max_train_images: int | None = None) -> dict:
-    """Run the requested evaluations of `model` on the dataset at data_cfg.path; returns flat metrics.
-
-    classify_split: top-1/top-5/loss/per-class on `split` (needs a head whose class count matches the
-    dataset); on a multi-label dataset precision@1, loss and mean average precision (per-class AP in
-    the artifacts). fewshot_cfg (an EvalCfg): few-shot ridge on features of `train_split` -> `split`.
-    linear_probe: logistic regression on the same features. Artifacts (per-class, confusion PNG) are
-    written by rank 0 into `out_dir`. Collective when distributed: every rank must call it.
-    """
-    rank, world = rank_world()
-    k, names = dataset_info(data_cfg)
-    img = model.img_size[0] if isinstance(model.img_size, tuple) else int(model.img_size)
-    prepare = source_for(data_cfg.path).normalize
-    load = lambda s: eval_batches(data_cfg, s, img_size=img, batch=batch, rank=rank, world_size=world)  # noqa: E731
-    out: dict = {}
-    artifacts: list[Path] = []
-    multi = read_info(data_cfg.path).multi_label
-    if multi and (fewshot_cfg is not None or linear_probe):
-        raise ValueError(f"{data_cfg.path}: few-shot and the linear probe need single-label data; this "
-                         "dataset is multi-label")
-    if classify_split:
-        if getattr(model, "num_classes", 0) != k:
-            raise ValueError(f"{data_cfg.path}: the dataset has {k} classes but the model's head has "
-                             f"{getattr(model, 'num_classes', 0)}; use few-shot or the linear probe instead")
-    if classify_split and multi:
-        ml = classify_multilabel(model, load(split), k, device=device, prepare=prepare, autocast=autocast,
-                                 dummy_shape=(batch, 3, img, img), mean_ap=True)
-        out.update(ml.metrics(split))
-        out[f"{split}/images_per_s"] = ml.images_per_s
-        if rank == 0 and out_dir is not None:
-            artifacts.append(write_json(Path(out_dir) / f"per_class_ap_{split}.json",
-                                        [{"class": c, "name": names[c] if c < len(names) else str(c), "ap": a}
-                                         for c, a in enumerate(ml.ap or [])]))
-    elif classify_split:
-        res = classify(model, load(split), k, device=device, prepare=prepare, autocast=autocast,
-                       dummy_shape=(batch, 3, img, img))
-        out.update(res.metrics(split))
-        out[f"{split}/images_per_s"] = res.images_per_s
-        if rank == 0 and out_dir is not None:
-            artifacts += write_artifacts(res, out_dir, split, names)
-    if fewshot_cfg is not None or linear_probe:
-        tr_x, tr_y, tr_pos = extract_features(model, load(train_split), device=device, prepare=prepare,
-                                              max_images=max_train_images, autocast=autocast, with_positions=True)
-        te_x, te_y = extract_features(model, load(split), device=device, prepare=prepare, autocast=autocast)
-        if fewshot_cfg is not None:
-            # the subsets are drawn among the training images read (all of them without max_train_images)
-            few = fs.fewshot_accuracy(tr_x, tr_y, te_x, te_y, k, shots=fewshot_cfg.fewshot_shots,
-                                      seeds=fewshot_cfg.fewshot_seeds, l2=fewshot_cfg.fewshot_l2, positions=tr_pos)
-            out.update(fs.fewshot_metrics(few, "fewshot/"))
-            out["fewshot_text"] = fs.format_fewshot(few)
-        if linear_probe:
-            lp = fs.linear_probe(tr_x, tr_y, te_x, te_y, k)
-            out["linear_probe/top1"] = lp["top1"]
-            out["linear_probe/train_top1"] = lp["train_top1"]
-    out["artifacts"] = [str(p) for p in artifacts]
-    return out

@@ -6,15 +6,17 @@
         data           the source, this rank's train stream and val loader (one call), the mixer
         model/engine   identical initialisation on every rank; DeepSpeed (ZeRO, precision,
                        accumulation); EMA; patch dropping; the learning-rate schedule
-        periodic work  training log, validation, the caller's tasks, checkpoint, few-shot evaluators,
-                       in the order the loop runs them (pipeline/train/periodic.py)
+        task kind      single- or multi-label, and the loss: decided once (pipeline/eval/task.py)
+        periodic work  training log, the declared evaluators (``evals:`` and the shorthand keys,
+                       pipeline/eval/evaluators; checked before anything starts), the caller's
+                       tasks, in the order the loop runs them (pipeline/train/periodic.py)
         checkpoint     the manager with every named state; restored here when resuming
         tracking       metrics.jsonl, MLflow, tracking.sinks (after the resume: the checkpoint says
                        which MLflow run to continue)
 
 Each part is given, once, here, its section (a part whose settings are a whole section: tracking, the
 engine, the data source) or its values (the rest: mixer, schedule, patch dropping, EMA, the periodic
-tasks, the few-shot evaluators), and owns its settings and state from then on;
+tasks, the evaluators), and owns its settings and state from then on;
 the loop (pipeline/train/loop.py) is handed the :class:`Run` and never sees ``cfg``. The stage sets
 up the process group first (:func:`pipeline.distributed.setup`).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,16 +37,18 @@ from pipeline.config import Config, resolve
 from pipeline.data import check_splits
 from pipeline.data.mixing import Mixer
 from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
+from pipeline.eval import evaluators as evals
+from pipeline.eval.task import Task
 from pipeline.tracking import METRICS, JsonlSink, Sinks
 from pipeline.tracking.setup import Tracking
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
 from pipeline.train.checkpoint import CheckpointManager, RngState, Stateful
 from pipeline.train.ema import Ema
-from pipeline.train.evaluators import FewshotEvaluators
+from pipeline.train.evaluators import Evaluations
 from pipeline.train.loss import loss_fn
 from pipeline.train.patchdrop import PatchDrop
-from pipeline.train.periodic import Periodic, TrainLog, Validation, Window
+from pipeline.train.periodic import Periodic, TrainLog, Window
 from pipeline.train.schedule import Schedule
 
 
@@ -78,6 +83,20 @@ def prepare_run_dir(run, resolved_yaml: str, rank: int) -> Path | None:
         raise RunDirError(f"run.dir {run_dir} is not empty and holds no complete checkpoint of this config; "
                           "pass run.fresh=true to start over there, or choose another run.dir")
     return None  # empty, or an earlier attempt of this very run that died before its first checkpoint
+
+
+def evaluations(declared: list, ctx, *, engine, ema: Ema | None, last_step: int) -> dict[bool, Evaluations]:
+    """The declared evaluators, built (each timed: the first run logs it), as the two periodic tasks
+    of the run: {after_checkpoint: Evaluations}."""
+    built, setup = [], {}
+    for d in declared:
+        t0 = time.perf_counter()
+        built.append(d.build(ctx))
+        setup[d.entry.name] = time.perf_counter() - t0
+    every = {d.entry.name: d.entry.every for d in declared}
+    return {after: Evaluations([ev for ev in built if ev.after_checkpoint == after], engine=engine, device=ctx.device,
+                               every=every, last_step=last_step, after_checkpoint=after, ema=ema, setup_s=setup)
+            for after in (False, True)}
 
 
 def step_flops(model, images_per_rank: int, patch_drop: float = 0.0) -> float:
@@ -119,7 +138,7 @@ class Run:
     """A built training run: everything the loop drives, each part holding its own settings and state.
 
     ``step`` is where training (re)starts; ``periodic`` runs in order after each optimizer step, the
-    tasks after ``checkpoints`` only once that step is saved."""
+    tasks that say ``after_checkpoint`` only once ``checkpoints`` has offered to save that step."""
 
     run_dir: Path
     stage: str
@@ -137,11 +156,11 @@ class Run:
     mixer: Mixer
     drops: PatchDrop
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets) -> mean loss
+    task: Task  # single- or multi-label, and the loss
     schedule: Schedule
     ema: Ema | None
     window: Window
     train_log: TrainLog
-    validation: Validation
     checkpoints: CheckpointManager
     periodic: list[Periodic]
     tracker: Sinks
@@ -161,11 +180,13 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     """
     rank, world = rank_world()
     run_dir = Path(cfg.run.dir)
+    declared = evals.declare(evals.run_entries(cfg))  # a bad entry fails before anything starts
     resolved = resolve(cfg)  # config.yaml's text and the MLflow params, once
     resume_from = prepare_run_dir(cfg.run, resolved.yaml, rank)
     source = data_lib.source_for(cfg.data.path)
     # a missing split fails now, in one line, not after the last step
     check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split})
+    evals.check_data(declared, cfg.data.path)
     tracking = Tracking.from_config(cfg, run_dir, rank=rank)
     tracking.check_access()  # a refused login fails now, in one line, not after training
     info = source.read_info()
@@ -181,9 +202,9 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     device = engine.device
     t = cfg.train
     d = cfg.data
-    loader, val_loader = source.training_loaders(d, img_size=cfg.model.img_size, micro_batch=t.micro_batch,
-                                                 global_batch=t.global_batch, eval_batch=cfg.eval.batch, rank=rank,
-                                                 world_size=world, seed=cfg.seed, pin_memory=device.type == "cuda")
+    loader = source.train_loader(d, img_size=cfg.model.img_size, micro_batch=t.micro_batch,
+                                 global_batch=t.global_batch, rank=rank, world_size=world, seed=cfg.seed,
+                                 pin_memory=device.type == "cuda")
     mixer = mixer_for(d, info, seed=cfg.seed, rank=rank)
     ema = Ema(engine.module, cfg.optim.ema) if cfg.optim.ema else None
     drops = PatchDrop(model, drop=cfg.model.patch_drop, until=t.patch_drop_until, seed=cfg.seed, rank=rank,
@@ -195,20 +216,17 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
              for on in (False, True)}  # by whether the step drops patches
 
     # the periodic work, in order (pipeline/train/periodic.py), and the parts a checkpoint holds
+    task = Task.of(info, t.loss)  # the one place the run's kind is decided
     window = Window(device)
-    hit_key = "prec1" if info.multi_label else "top1"  # big_vision's prec@1
-    train_log = TrainLog(schedule, window, engine, loader, drops, flops, hit_key, every=t.log_every,
+    train_log = TrainLog(schedule, window, engine, loader, drops, flops, task, every=t.log_every,
                          last_step=t.steps, global_batch=t.global_batch, peak_flops=cfg.hardware.peak_tflops * 1e12)
-    validation = Validation(val_loader, every=t.eval_every, engine=engine, source=source, num_classes=num_classes,
-                            device=device, dtype=dtype, img_size=cfg.model.img_size, batch=cfg.eval.batch,
-                            loss=functools.partial(loss_fn, t.loss, reduction="none"))
-    e = cfg.eval
-    fewshot = FewshotEvaluators(engine, device, dtype, data=e.fewshot_data, shots=e.fewshot_shots,
-                                seeds=e.fewshot_seeds, l2=e.fewshot_l2, batch=e.batch, every=t.fewshot_every,
-                                last_step=t.steps, img_size=cfg.model.img_size, crop_pct=d.eval_crop_pct, ema=ema)
+    ctx = evals.Context(d, task, img_size=cfg.model.img_size, batch=cfg.eval.batch, device=device, rank=rank,
+                        world=world, dtype=dtype)
+    sides = evaluations(declared, ctx, engine=engine, ema=ema, last_step=t.steps)
     added = [make(Parts(cfg, engine, loader, source, num_classes, device, dtype, rank, world)) for make in tasks]
+    periodic = [train_log, sides[False], *added, sides[True]]
     named = {"rng": RngState(), "loader": loader, "window": window, **({"ema": ema} if ema is not None else {}),
-             **{task.name: task for task in (*added, fewshot) if hasattr(task, "state_dict")}, **(states or {})}
+             **{p.name: p for p in periodic if hasattr(p, "state_dict") and p is not sides[False]}, **(states or {})}
     checkpoints = CheckpointManager(run_dir, engine, named, every=cfg.checkpoint.every, last_step=t.steps,
                                     keep=cfg.checkpoint.keep)
 
@@ -221,7 +239,7 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     # rank 0's records: metrics.jsonl (past the resumed step dropped: they run again), MLflow, tracking.sinks
     metrics_file = JsonlSink(run_dir / METRICS, keep_up_to=step) if rank == 0 else None
     history = metrics_file.records if metrics_file else []
-    fewshot.skip_logged(history)
+    sides[True].skip_logged(history)
     datasets = {cfg.data.train_split: "training", cfg.data.val_split: "evaluation"}
     tracker = Sinks(metrics_file, tracking.mlflow(
         world_size=world, stage=stage, run_id=manifest.get("mlflow_run_id"), run_key=manifest.get("mlflow_run_key"),
@@ -235,8 +253,8 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     run = Run(run_dir=run_dir, stage=stage, rank=rank, world=world, steps=t.steps, step=step, engine=engine,
               model=model, device=device, dtype=dtype, accum=accum, source=source, loader=loader, mixer=mixer,
               drops=drops, loss=functools.partial(loss_fn, t.loss, label_smoothing=cfg.data.label_smoothing),
-              schedule=schedule, ema=ema, window=window, train_log=train_log, validation=validation,
-              checkpoints=checkpoints, periodic=[train_log, validation, *added, checkpoints, fewshot],
+              task=task, schedule=schedule, ema=ema, window=window, train_log=train_log, checkpoints=checkpoints,
+              periodic=[p for p in periodic if p],
               tracker=tracker, history=history, close_timeout=cfg.tracking.close_timeout_s)
     n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
     rank0_print(f"{stage}: {world} rank(s) on {device.type}, ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "

@@ -270,9 +270,11 @@ class Resumed:
 class CheckpointManager:
     """Saves and restores a run: DeepSpeed's model + optimizer through its own collective save, and
     the named :class:`Stateful` parts, each its own entry (``states={"loader": ..., "ema": ...}``).
-    It decides when to save (``due``: every ``every`` steps and at ``last_step``) and is the periodic
-    task "checkpoint" of the training loop. ``manifest()``: the JSON-able facts rank 0 records at
-    each save. ``save`` and ``restore`` are collective: call them on every rank.
+    It decides for itself when to save: the loop offers every step (:meth:`maybe_save`, as
+    torchtitan's ``checkpointer.save(step, last_step=...)``) and it saves every ``every`` steps, at
+    ``last_step``, at the end of a job (``last_step=True``) and once per step at most.
+    ``manifest()``: the JSON-able facts rank 0 records at each save. ``save`` and ``restore`` are
+    collective: call them on every rank.
 
     Files: ``vitp_rank<R>.pt`` per rank ({"step", "world_size", "states": {name: state}}) and
     ``vitp_shared.pt`` (rank 0: the "shared" states).
@@ -285,14 +287,22 @@ class CheckpointManager:
         self.run_dir, self.engine, self.states = Path(run_dir), engine, dict(states)
         self.every, self.last_step, self.keep, self.manifest = every, last_step, keep, manifest
         self.scopes = {name: scope_of(obj) for name, obj in self.states.items()}
-        self.saved_at: int | None = None
+        self._saved_at: int | None = None
 
-    def due(self, step: int) -> bool:
-        return bool(self.every and step % self.every == 0) or step == self.last_step
+    def due(self, step: int, last_step: bool = False) -> bool:
+        """Whether :meth:`maybe_save` would save ``step``."""
+        if step == self._saved_at:
+            return False
+        return last_step or bool(self.every and step % self.every == 0) or step == self.last_step
 
-    def run(self, step: int) -> dict:
-        self.save(step)
-        return {}
+    def maybe_save(self, step: int, *, last_step: bool = False, before: Callable[[], object] = lambda: None
+                   ) -> Path | None:
+        """Collective: save ``step`` if it is one to save (see the class); ``before()`` runs first,
+        only then (the loop's check that the step's update was finite)."""
+        if not self.due(step, last_step):
+            return None
+        before()
+        return self.save(step)
 
     def path(self, step: int) -> Path:
         return root(self.run_dir) / tag_for(step)
@@ -328,7 +338,7 @@ class CheckpointManager:
                 shutil.rmtree(old, ignore_errors=True)
                 shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
         wait_for_rank0()  # deleting old checkpoints can outlast a collective's timeout
-        self.saved_at = step
+        self._saved_at = step
         return final
 
     def restore(self, ckpt: Path, universal: Path | None = None) -> Resumed:

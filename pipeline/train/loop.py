@@ -9,10 +9,11 @@
         agree              one small all-reduce: any rank asked to stop / saw a non-finite loss; the
                            step before had a non-finite gradient norm (known after its update)
         optimizer_step     clip + update (DeepSpeed), EMA
-        periodic tasks     the due ones of one list, in order (pipeline/train/periodic.py): training
-                           log, validation, the caller's tasks, checkpoint, few-shot evaluators; their
-                           metrics go to one record, written before the checkpoint and after the step
-    finish: final checkpoint, final eval, consolidated weights, artifacts, the caller's ``finish``
+        periodic tasks     the due ones of one list, in order (pipeline/train/periodic.py): those
+                           before the checkpoint (training log, evaluators, the caller's tasks), the
+                           checkpoint manager's offer to save, those after it (few-shot...); their
+                           metrics go to one record written before the checkpoint and one after
+    finish: final checkpoint, consolidated weights, artifacts, the caller's ``finish``
 
 What differs between stages comes in through the builder (the model, its parameter groups) and
 ``finish`` (what happens to the final model); the loop never asks which stage it runs, nor reads cfg.
@@ -144,14 +145,17 @@ def _draw_figures(sd: dict, model_config: dict, images: torch.Tensor | None, out
 
 class MetricsLog:
     """The one place a step's metrics go: the run's sinks (pipeline/tracking: metrics.jsonl, MLflow,
-    tracking.sinks; rank 0's, the other ranks' record nothing). An empty record is not written."""
+    tracking.sinks; rank 0's, the other ranks' record nothing). An empty record is not written.
+    ``latest``: each key's newest value written by this job (the run's result reads it)."""
 
     def __init__(self, sinks: Sinks):
         self.sinks = sinks
+        self.latest: dict = {}
 
     def write(self, step: int, record: dict) -> None:
         if record:
             self.sinks.log(record, step)
+            self.latest.update(record)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -165,8 +169,9 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
 
     engine, loader, source, mixer, drops = run.engine, run.loader, run.source, run.mixer, run.drops
     device, dtype, accum, tracker, checkpoints = run.device, run.dtype, run.accum, run.tracker, run.checkpoints
-    step, periodic, train_log, validation = run.step, run.periodic, run.train_log, run.validation
-    after_save = periodic[periodic.index(checkpoints) + 1:]
+    step, train_log = run.step, run.train_log
+    before_save = [t for t in run.periodic if not getattr(t, "after_checkpoint", False)]
+    after_save = [t for t in run.periodic if getattr(t, "after_checkpoint", False)]
     log, agree = MetricsLog(tracker), Agreement(device)
 
     def check(lag: bool, settle: bool = False) -> float:
@@ -186,8 +191,18 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
         reason = "requeue" if stop == 2 else (stopping.stop_reason() or "cancel")
         rank0_print(f"stopping at step {step} ({reason}); checkpoint {checkpoints.save(step)}")
         tracker.close(timeout=min(run.close_timeout, 10.0))
-        return Result("stopped", step, str(run.run_dir), reason=reason, loss=train_log.last.get("loss"),
+        return Result("stopped", step, str(run.run_dir), reason=reason, loss=log.latest.get("loss"),
                       data_wait=train_log.data_wait, mlflow_run_id=tracker.run_id)
+
+    def run_due(tasks, step: int) -> bool:
+        """The due ones of ``tasks``, in order, as one record of ``step``; whether any ran."""
+        record, ran = {}, False
+        for task in tasks:
+            if task.due(step):
+                record.update(task.run(step))
+                ran = True
+        log.write(step, record)
+        return ran
 
     def forward_backward(batches, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """accum micro batches of optimizer step ``step`` + 1; DeepSpeed averages and reduces the gradients.
@@ -214,13 +229,14 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
     norm_bad = torch.zeros((), device=device)  # the last optimizer step's gradient norm was not finite
     images = None  # the last batch: its first images feed the attention figures at the end
     engine.train()
-    for task in after_save:  # a resumed run whose evaluators a stop or a kill cut short
-        if task.due(step):
-            log.write(step, task.run(step))
+    if step:  # a resumed run whose evaluators a stop or a kill cut short
+        run_due(after_save, step)
+    settle = lambda: check(lag=False, settle=True)  # noqa: E731 - before a save: this step's update was finite
     while step < run.steps:
         faults.hit("step", step + 1)
         eng_lib.set_lr(engine, run.schedule(step))
-        sync = any(task.due(step + 1) for task in periodic)  # these steps wait for the device anyway
+        # these steps wait for the device anyway
+        sync = checkpoints.due(step + 1) or any(task.due(step + 1) for task in run.periodic)
 
         step_sums, images = forward_backward(batches, step)
         agree.post(step + 1, stopping.stop_reason(), step_sums[0], norm_bad)
@@ -232,33 +248,20 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
         step += 1
         run.window.add(step_sums)
 
-        record, ran = {}, False  # one record of the due tasks' metrics per step (and one after the checkpoint)
-        for task in periodic:
-            if task is checkpoints:
-                log.write(step, record)  # the checkpoint covers every record up to its step
-                record = {}
-                if stop:
-                    return stopped(stop)
-                if task.due(step):  # this step's update followed a finite gradient norm: then save it
-                    check(lag=False, settle=True)
-            if task.due(step):
-                record.update(task.run(step))
-                ran = True
-        log.write(step, record)
+        ran = run_due(before_save, step)  # the checkpoint covers every record up to its step
+        if stop:
+            return stopped(stop)
+        saved = checkpoints.maybe_save(step, before=settle)
+        ran = run_due(after_save, step) or ran or saved is not None
         if ran:  # periodic work is not training time
             train_log.restart()
 
-    # the end: final checkpoint, final eval, consolidated fp32 weights, artifacts
-    if checkpoints.saved_at != step:
-        check(lag=False, settle=True)
-        checkpoints.save(step)
-    if validation.enabled and validation.last is None:  # none ran in this job: once at the end
-        log.write(step, validation.run(step))
+    # the end: final checkpoint (unless this step's is saved), consolidated fp32 weights, artifacts
+    checkpoints.maybe_save(step, last_step=True, before=settle)
     run_dir = run.run_dir
     weights = run_dir / "model.safetensors"
-    result = Result("completed", step, str(run_dir), loss=train_log.last.get("loss"),
-                    val_top1=(validation.last or {}).get("val_top1"), weights=str(weights),
-                    data_wait=train_log.data_wait, mlflow_run_id=tracker.run_id)
+    result = Result("completed", step, str(run_dir), loss=log.latest.get("loss"), val_top1=log.latest.get("val_top1"),
+                    weights=str(weights), data_wait=train_log.data_wait, mlflow_run_id=tracker.run_id)
     # rank 0's work below reads files, not the group: no rank waits inside a collective meanwhile
     if run.rank == 0:
         sd, model_config = ckpt_lib.read_weights(checkpoints.path(step))

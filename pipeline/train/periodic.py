@@ -2,15 +2,16 @@
 ``for (name, evaluator, every, prefix) in evaluators(): if itstime(step, every): ...``).
 
 A :class:`Periodic` task has a ``name``, says whether it is ``due(step)`` and ``run(step)`` returns
-its metrics (rank 0's count; {} elsewhere). The loop runs, after each optimizer step, the due tasks
-of one list in order:
+its metrics (rank 0's count; {} elsewhere); ``after_checkpoint`` (default False) says that it runs
+once the step's checkpoint is saved. The loop runs, after each optimizer step, the due tasks of
+one list in their order, those before the checkpoint, then the checkpoint manager's ``save`` (it
+decides whether the step is one to save), then those after it:
 
     TrainLog        the training window's loss, top-1, lr, throughput, MFU,  (every train.log_every)
                     data_wait
-    Validation      loss and top-1 on the val split                          (every train.eval_every)
+    Evaluations     the declared evaluators that run before the checkpoint   (pipeline/train/evaluators.py)
     ...             tasks the caller adds (build_run(tasks=...))
-    CheckpointManager  (pipeline/train/checkpoint.py): saves                 (every checkpoint.every)
-    FewshotEvaluators  (pipeline/train/evaluators.py)                        (every train.fewshot_every)
+    Evaluations     the ones that run after it (few-shot, the linear probe)
 
 A task that also has ``state_dict``/``load_state_dict`` is checkpointed under its ``name``. Tasks
 after the checkpoint run once its step is saved, so a kill inside them resumes right there; they
@@ -20,14 +21,14 @@ must remember which steps they did (their state) to be re-run safely.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 
 from pipeline import faults
 from pipeline.distributed import all_reduce, rank0_print, rank_world
-from pipeline.eval.classify import classify, classify_multilabel
+from pipeline.eval.task import Task
 from pipeline.train import engine as eng_lib
 
 DATA_WAIT_WARN = 0.1  # a run waiting longer than this share of its training time for batches says so
@@ -35,16 +36,11 @@ DATA_WAIT_WARN = 0.1  # a run waiting longer than this share of its training tim
 
 class Periodic(Protocol):
     name: str
+    after_checkpoint: bool  # optional; False when absent
 
     def due(self, step: int) -> bool: ...
 
     def run(self, step: int) -> dict: ...
-
-
-def headline(record: dict, prefix: str = "") -> str:
-    """'top1 0.812' or, on multi-label data, 'prec@1 0.640' from a record's metrics."""
-    key = next(k for k in (f"{prefix}top1", f"{prefix}prec1") if k in record)
-    return f"{key.replace('prec1', 'prec@1').replace('_', ' ')} {record[key]:.4f}"
 
 
 class Window:
@@ -88,18 +84,18 @@ class TrainLog:
     the last. Time spent in periodic work is not training time: the loop calls ``restart()`` after it.
 
     Built once from the run's :class:`~pipeline.train.schedule.Schedule`, the parts it reads (the
-    window's sums, the engine's grad norm, the loader's skip counts), its timing (``every``:
-    train.log_every, ``last_step``: train.steps) and the step's size (``global_batch`` images)."""
+    window's sums, the engine's grad norm, the loader's skip counts), the run's :class:`Task` (whose
+    hit metric the record carries), its timing (``every``: train.log_every, ``last_step``:
+    train.steps) and the step's size (``global_batch`` images)."""
 
     name = "train_log"
 
-    def __init__(self, schedule, window: Window, engine, loader, drops, flops: dict[bool, float], hit_key: str,
+    def __init__(self, schedule, window: Window, engine, loader, drops, flops: dict[bool, float], task: Task,
                  *, every: int, last_step: int, global_batch: int, peak_flops: float):
         self.every, self.steps, self.global_batch = every, last_step, global_batch
         self.schedule, self.window, self.engine, self.loader, self.drops = schedule, window, engine, loader, drops
-        self.flops, self.hit_key = flops, hit_key  # flops: model FLOPs of a step, by whether it drops patches
+        self.flops, self.task = flops, task  # flops: model FLOPs of a step, by whether it drops patches
         self.peak_flops = peak_flops  # one rank's accelerator, FLOP/s (hardware.peak_tflops)
-        self.last: dict = {}  # the newest record
         self.wait_total = self.time_total = 0.0  # seconds waited for batches / trained, over logged windows
         self.warned = False
         self.restart()
@@ -140,17 +136,16 @@ class TrainLog:
         dt = elapsed / max(n, 1)
         window_flops = sum(self.flops[drops.active(s)] for s in range(step - n, step))
         lr = self.schedule(step - 1)  # the rate step ``step`` trained with
-        record = {"loss": loss, self.hit_key: top1, "lr": lr, "grad_norm": eng_lib.grad_norm(self.engine),
+        record = {"loss": loss, self.task.hit: top1, "lr": lr, "grad_norm": eng_lib.grad_norm(self.engine),
                   "images_per_s": self.global_batch / dt, "step_s": dt,
                   "mfu": window_flops / max(n, 1) / dt / self.peak_flops,
                   "data_wait": data_wait, "skipped": int(sum(self.loader.skipped.values())), **memory_gb(),
                   **self.loader.read_stats()}
         if drops.drop:  # the fraction this window's last step dropped (0 after train.patch_drop_until)
             record["patch_drop"] = drops.drop if drops.active(step - 1) else 0.0
-        rank0_print(f"step {step:>7d}/{self.steps}  loss {loss:.4f}  {headline(record)}  lr {lr:.2e}  "
+        rank0_print(f"step {step:>7d}/{self.steps}  loss {loss:.4f}  {self.task.show(record)}  lr {lr:.2e}  "
                     f"gnorm {record['grad_norm']:.3f}  {record['images_per_s']:.1f} img/s  "
                     f"mfu {record['mfu']:.1%}  rss {record['rss_gb']:.1f}G")
-        self.last = record
         return record
 
 
@@ -161,40 +156,3 @@ def memory_gb() -> dict:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_max_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return out
-
-
-class Validation:
-    """Loss and top-1 (precision@1 on multi-label data: ``val_prec1``) on the val split every
-    ``train.eval_every`` steps (collective), through the one eval loop, each sample once over the ranks.
-
-    ``loader``: this rank's share of the val split (re-read at each validation), None without one;
-    ``loss(logits, targets)``: per-sample losses [B]."""
-
-    name = "validation"
-
-    def __init__(self, loader, *, every: int, engine, source, num_classes: int, device, dtype,
-                 loss: Callable, img_size: int, batch: int):
-        self.loader, self.every, self.engine, self.source = loader, every, engine, source
-        self.num_classes, self.device, self.dtype, self.loss = num_classes, device, dtype, loss
-        # a full batch (eval.batch), as the loader's: a compiled block sees one evaluation shape
-        self.dummy_shape = (batch, 3, img_size, img_size)
-        self.last: dict | None = None  # the newest result of this process
-
-    @property
-    def enabled(self) -> bool:
-        return self.loader is not None
-
-    def due(self, step: int) -> bool:
-        return bool(self.enabled and self.every and step % self.every == 0)
-
-    def run(self, step: int) -> dict:
-        multi = self.source.read_info().multi_label
-        kw = dict(device=self.device, prepare=self.source.normalize, dtype=self.dtype, loss=self.loss,
-                  dummy_shape=self.dummy_shape)
-        # per-class counts at most: the confusion matrix (K² counts) is `vitp eval`'s
-        res = (classify_multilabel(self.engine, self.loader, self.num_classes, **kw) if multi else
-               classify(self.engine, self.loader, self.num_classes, confusion=False, **kw))
-        head = {"val_prec1": res.prec1} if multi else {"val_top1": res.top1}
-        self.last = {**head, "val_loss": res.loss, "val_n": res.n}
-        rank0_print(f"step {step:>7d}  {headline(self.last, 'val_')}  ({self.last['val_n']} images)")
-        return self.last

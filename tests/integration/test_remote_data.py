@@ -309,8 +309,9 @@ def test_fewshot_evaluators_over_http_match_the_folder(prepped, weights, http_fo
     """`eval.fewshot_data` entries that are https:// addresses: the periodic few-shot evaluators of a
     run give the numbers they give over the same folder (its val split serving as `test`)."""
     from pipeline.config import load_config
+    from pipeline.eval import evaluators as evals
+    from pipeline.eval.task import Task
     from pipeline.model import build_vit
-    from pipeline.train.evaluators import FewshotEvaluators
 
     few = tmp_path / "few"
     shutil.copytree(prepped, few)
@@ -328,9 +329,8 @@ def test_fewshot_evaluators_over_http_match_the_folder(prepped, weights, http_fo
         cfg = load_config(TINY, ["data.path=synthetic:train=8", f"eval.fewshot_data=[few={path}]",
                                  "eval.fewshot_shots=[1,2]", "eval.fewshot_seeds=2", "model.width=32", "model.depth=2",
                                  "model.heads=2", "model.mlp_dim=64", "model.patch=8"], world_size=1)
-        e = cfg.eval
-        ev = FewshotEvaluators(net, torch.device("cpu"), torch.float32, data=e.fewshot_data, shots=e.fewshot_shots,
-                               seeds=e.fewshot_seeds, l2=e.fewshot_l2, batch=e.batch, every=cfg.train.fewshot_every,
-                               last_step=1, img_size=cfg.model.img_size, crop_pct=cfg.data.eval_crop_pct)
-        got[name] = {k: v for k, v in ev.run(1).items() if not k.endswith("seconds")}
+        ctx = evals.Context(cfg.data, Task(False), img_size=cfg.model.img_size, batch=cfg.eval.batch,
+                            device=torch.device("cpu"), rank=0, world=1)
+        (few,) = [d.build(ctx) for d in evals.declare(evals.run_entries(cfg)) if d.entry.type == "fewshot"]
+        got[name] = few.run(net, 1)  # the run's few-shot evaluator of eval.fewshot_data
     assert got["http"] == got["folder"] and len(got["http"]) >= 2

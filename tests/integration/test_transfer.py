@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.config import ConfigError, DataCfg, load_config
-from pipeline.eval.classify import score_model
+from pipeline.eval.evaluators import score_model
 from pipeline.model import build_vit, resample_posemb
 from pipeline.weights import WeightsError as TransferError
 from pipeline.weights import build_from_source as build_transfer_model

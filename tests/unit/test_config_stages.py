@@ -21,7 +21,7 @@ from pipeline.config import (
 def test_eval_and_prep_need_no_model():
     ev = load_config(None, ["data.path=shards", "eval.checkpoint=runs/x", "eval.batch=8"], schema=EvalConfig)
     assert ev.eval.batch == 8 and ev.data.path == "shards" and not hasattr(ev, "model")
-    assert set(to_dict(ev)) == {"data", "eval", "engine", "tracking", "hardware", "cluster"}
+    assert set(to_dict(ev)) == {"data", "eval", "engine", "tracking", "hardware", "cluster", "evals"}
     assert from_dict(to_dict(ev), schema=EvalConfig) == ev
     prep = load_config(None, ["cluster.nodes=2"], schema=PrepConfig)
     assert prep.world_size_planned == 2 and set(to_dict(prep)) == {"engine", "hardware", "cluster"}

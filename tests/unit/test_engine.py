@@ -308,7 +308,6 @@ def test_compiled_blocks_stay_within_their_variants_and_say_when_one_falls_back(
     from pipeline.eval.classify import classify
     from pipeline.model import build_vit, draw_keep
     from pipeline.train import compiled
-    from pipeline.train.periodic import Validation
 
     kw = dict(width=32, depth=2, heads=2, mlp_dim=64, patch=4, img_size=16, num_classes=5)
     cfg = load_config(TINY, ["train.compile=true", "model.patch_drop=0.5", "eval.batch=6"])
@@ -320,8 +319,7 @@ def test_compiled_blocks_stay_within_their_variants_and_say_when_one_falls_back(
         assert compiled.compile_blocks(model, cfg, backend=graphs) == 2
         bound = compiled.block_variants(model, cfg)
         assert bound == 6 and torch._dynamo.config.recompile_limit >= bound
-        val = Validation(None, every=1, engine=model, source=None, num_classes=5, device="cpu",
-                         dtype=torch.float32, loss=None, img_size=16, batch=cfg.eval.batch)
+        dummy_shape = (cfg.eval.batch, 3, 16, 16)  # the classify evaluator's: a full eval batch
         g = torch.Generator().manual_seed(0)
         x = torch.randn(4, 3, 16, 16)
         evals = _ShortRank([(torch.randint(0, 256, (6, 3, 16, 16), dtype=torch.uint8), torch.arange(6) % 5)])
@@ -330,7 +328,7 @@ def test_compiled_blocks_stay_within_their_variants_and_say_when_one_falls_back(
             for keep in (draw_keep(4, 16, 0.5, g), draw_keep(4, 16, 0.5, g), None, None):
                 model.train()
                 model(x, keep=keep).logsumexp(-1).sum().backward()
-                res = classify(model, evals, 5, prepare=lambda im: im.float() / 255, dummy_shape=val.dummy_shape)
+                res = classify(model, evals, 5, prepare=lambda im: im.float() / 255, dummy_shape=dummy_shape)
                 assert res.n == 6  # the dummy batch counts no image
         assert 0 < graphs.made <= bound
 

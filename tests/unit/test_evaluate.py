@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pipeline.config import DataCfg, EvalCfg
-from pipeline.eval.classify import classify, extract_features, score_model, write_artifacts, write_results
+from pipeline.eval.classify import classify, extract_features, write_artifacts, write_results
+from pipeline.eval.evaluators import score_model
 from pipeline.model import build_vit
 from pipeline.weights import WeightsError as TransferError
 from pipeline.weights import load_model
@@ -75,20 +76,23 @@ _VALIDATE_21K = """
 import functools, json, resource, sys
 import torch
 import torch.nn.functional as F
-from pipeline.config import DataCfg
+from pipeline.config import DataCfg, EvalEntry
 from pipeline.data import source_for
-from pipeline.train.periodic import Validation
+from pipeline.eval import evaluators as evals
+from pipeline.eval.task import Task
 
 K, path = 21843, "synthetic:classes=21843,train=1,val=6"
 source = source_for(path)
-loader = source.eval_loader(DataCfg(path=path), img_size=8, batch=4, rank=0, world_size=1, split="val")
+ctx = evals.Context(DataCfg(path=path), Task.of(source.read_info()), img_size=8, batch=4, device=torch.device("cpu"),
+                    rank=0, world=1)
+(val,) = evals.declare([("data.val_split", EvalEntry(name="val", type="classify", split="val", prefix="val_"))])
+v = val.build(ctx)  # as a training run builds its validation
+loader = v.batches
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, K))
-v = Validation(loader, every=1, engine=model, source=source, num_classes=K, device=torch.device("cpu"),
-               dtype=torch.float32, loss=functools.partial(F.cross_entropy, reduction="none"), img_size=8, batch=4)
 list(loader)  # decoded once before: the measure is the validation's own
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-record = v.run(1)
+record = v.run(model, 1)
 grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
 with torch.no_grad():
     x, y = torch.cat([b[0] for b in loader])[:6], torch.cat([b[1] for b in loader])[:6]

@@ -5,7 +5,7 @@
     source.read_info()               -> Info (classes, splits with sample counts)
     source.train_loader(cfg.data, ...)  endless micro batches (uint8 [B, 3, H, W], labels), resumable
     source.eval_loader(cfg.data, ...)   each sample once over all ranks: (uint8 images, labels, valid mask)
-    source.training_loaders(cfg.data, ...)  a training run's two: the train stream, the val split's (or None)
+    source.split_labels(split, rank, world)  its labels, without decoding images (this rank's shards)
     source.normalize(x)              uint8 on the device -> the model's input range
     check_splits(path, {key: split})  before a run starts: every split it reads is there (one line naming
                                      the key, the file and the remedy otherwise)

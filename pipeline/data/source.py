@@ -2,8 +2,9 @@
 
 A :class:`DataSource` is bound to one ``data.path``; it describes the dataset (:meth:`read_info`), makes
 this rank's training and evaluation batches (:meth:`train_loader`, :meth:`eval_loader`) and turns a
-uint8 batch on the device into the model's input (:meth:`normalize`); a training run takes both of its
-loaders in one call (:meth:`training_loaders`). Two implement it:
+uint8 batch on the device into the model's input (:meth:`normalize`); it reads a split's labels
+without decoding an image (:meth:`split_labels`: a few-shot evaluator draws its subsets from them).
+Two implement it:
 
     ShardSource       (pipeline.data.loader)     a `vitp prep` folder of WebDataset tars
     SyntheticSource   (pipeline.data.synthetic)  ``synthetic[:options]``, generated in memory
@@ -96,17 +97,6 @@ class DataSource(ABC):
         """This rank's share of ``split``, each sample once over the ranks; ``positions``: only these
         sorted positions of the split (a few-shot subset), cut the same way; ``workers``: decoding
         processes (default data.workers)."""
-
-    def training_loaders(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, eval_batch: int,
-                         rank: int, world_size: int, seed: int, pin_memory: bool = False
-                         ) -> tuple[TrainBatches, EvalBatches | None]:
-        """What a training run reads, from its ``data`` section: this rank's training stream
-        (``data.train_split``) and its validation loader (``data.val_split``; None when unset)."""
-        train = self.train_loader(cfg_data, img_size=img_size, micro_batch=micro_batch, global_batch=global_batch,
-                                  rank=rank, world_size=world_size, seed=seed, pin_memory=pin_memory)
-        val = (self.eval_loader(cfg_data, img_size=img_size, batch=eval_batch, rank=rank, world_size=world_size,
-                                split=cfg_data.val_split) if cfg_data.val_split else None)
-        return train, val
 
     @abstractmethod
     def split_labels(self, split: str, rank: int, world_size: int) -> dict[int, list]:

@@ -49,15 +49,23 @@ def test_both_sources_give_the_declared_interface(kind, shards):
     assert n.flatten().tolist() == [-1.0] * 3 + [1.0] * 3
 
 
-def test_training_loaders_give_the_train_stream_and_the_val_split(shards):
-    src = source_for(shards)
-    train, val = src.training_loaders(DataCfg(path=shards, workers=0, shuffle_buffer=4), eval_batch=2, **KW)
-    assert isinstance(train, TrainBatches) and train.steps_per_epoch == 3  # 12 samples / 4 a step
-    # val: each of the 3 samples once over the 2 ranks, rank 1's share ([1, 3)) in one batch of 2
-    (x, y, valid), = list(val)
-    assert x.shape == (2, 3, 16, 16) and int(valid.sum()) == 2
-    train, val = src.training_loaders(DataCfg(path=shards, workers=0, val_split=""), eval_batch=2, **KW)
-    assert val is None and isinstance(train, TrainBatches)
+@pytest.mark.parametrize("kind", ["shards", "synthetic"])
+def test_split_labels_over_the_ranks_are_the_eval_loaders_labels(kind, shards):
+    """A few-shot evaluator's label scan (no image decoded) gives every position's label, in the order
+    the eval loader reads them, and a subset of positions reads exactly those samples."""
+    path = shards if kind == "shards" else "synthetic:classes=3,train=12,val=3"
+    src, cfg = source_for(path), DataCfg(path=path, workers=0)
+    parts = {}
+    for rank in range(2):
+        parts.update(src.split_labels("train", rank, 2))
+    labels = [y for p in sorted(parts) for y in parts[p]]
+    read = [y for _x, ys, ok in src.eval_loader(cfg, img_size=16, batch=4, rank=0, world_size=1, split="train")
+            for y in ys[ok].tolist()]
+    assert labels == read and len(labels) == 12
+    some = [1, 4, 5, 11]
+    got = [y for _x, ys, ok in src.eval_loader(cfg, img_size=16, batch=4, rank=0, world_size=1, split="train",
+                                               positions=some) for y in ys[ok].tolist()]
+    assert got == [labels[p] for p in some]
 
 
 def test_position_resumes_with_the_loader(shards):

@@ -148,7 +148,7 @@ def check_data(cfg, stage: str) -> None:
     from data_prep import store
     from data_prep.schema import INFO_FILE, DatasetInfo
     from pipeline.config import fewshot_sets
-    from pipeline.data import DataError, check_splits
+    from pipeline.data import DataError, check_splits, minival_source
     from pipeline.data.synthetic import is_synthetic
 
     path = cfg.data.path
@@ -158,7 +158,7 @@ def check_data(cfg, stage: str) -> None:
         raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
     check_addresses(cfg)  # remote datasets answer (bucket, 403, 404) before their splits are read
     try:
-        check_splits(path, splits_read(cfg, stage))
+        check_splits(path, splits_read(cfg, stage), minival_from=minival_source(cfg.data))
         for _name, folder in fewshot_sets(cfg.eval.fewshot_data) if stage != "eval" else []:  # in-run evaluators
             for split in ("train", "test"):
                 check_splits(folder, {"eval.fewshot_data": split})

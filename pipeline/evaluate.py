@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ConfigError, EvalConfig, flatten
-from pipeline.data import DataError, dataset_inputs, read_info
+from pipeline.data import DataError, dataset_inputs, read_info, stored_split
 from pipeline.distributed import comm_device, rank_world, setup
 from pipeline.eval.classify import score_model, write_results
 from pipeline.tracking import Sinks
@@ -80,7 +80,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
         raise ConfigError("eval: nothing to do (top1, fewshot and linear_probe are all off)")
     for split in [e.split, *([cfg.data.train_split] if e.fewshot or e.linear_probe else [])]:
         try:
-            read_info(cfg.data.path).split(split)
+            read_info(cfg.data.path).split(stored_split(cfg.data, split))
         except DataError as err:
             raise FileNotFoundError(str(err)) from None
     setup(cfg)

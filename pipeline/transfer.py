@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import Config, ConfigError
-from pipeline.data import check_splits
+from pipeline.data import check_splits, minival_source
 from pipeline.distributed import rank0_print, setup
 from pipeline.eval.classify import score_model, write_results
 from pipeline.rundir import own_run_dir
@@ -74,7 +74,8 @@ def transfer(cfg: Config) -> Result:
                           if f"{split}/{k}" in res)
         rank0_print(f"transfer: val {shown}  -> {path}")
 
-    check_splits(cfg.data.path, {"data.val_split": cfg.data.val_split or "val"})  # publish scores it
+    check_splits(cfg.data.path, {"data.val_split": cfg.data.val_split or "val"},  # publish scores it
+                 minival_from=minival_source(cfg.data))
     setup(cfg)
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
         groups = lambda m: param_groups_layer_decay(m, cfg.optim.layer_decay, cfg.optim.weight_decay)  # noqa: E731

@@ -62,14 +62,16 @@ def transfer(cfg: Config) -> Result:
                "source": str(cfg.init.from_), **lineage, "mlflow_run_id": run.result.mlflow_run_id}
         path = write_results(doc, cfg.run.dir)
         run.tracker.set_tags({"stage": "transfer", **{f"vitp.{k}": v for k, v in lineage.items()},
-                              **({"mlflow.parentRunId": lineage["parent_run_id"]} if "parent_run_id" in lineage
-                                 else {})})
+                              **({"mlflow.parentRunId": lineage["parent_run_id"]}
+                                 if "parent_run_id" in lineage and not cfg.tracking.parent_run else {})})
         run.tracker.log({f"final/{k}": v for k, v in metrics.items()}, run.result.step)
         for a in [path, *res.get("artifacts", [])]:
             run.tracker.log_artifact(a)
         # two images: the logged program's batch dimension stays dynamic (a batch of 1 would fix it)
         example = torch.zeros(2, 3, cfg.model.img_size, cfg.model.img_size).numpy()
-        run.tracker.log_model(final.cpu().eval(), input_example=example, registered_name=cfg.tracking.register_name)
+        if cfg.tracking.log_model:
+            run.tracker.log_model(final.cpu().eval(), input_example=example,
+                                  registered_name=cfg.tracking.register_name)
         shown = "  ".join(f"{k} {res[f'{split}/{k}']:.4f}" for k in ("top1", "top5", "prec1", "mAP")
                           if f"{split}/{k}" in res)
         rank0_print(f"transfer: val {shown}  -> {path}")

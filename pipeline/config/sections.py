@@ -299,6 +299,8 @@ class TrackingCfg(Section):
     uri: Str | None = None  # None: $MLFLOW_TRACKING_URI, else a SQLite store under run.dir
     experiment: Str = "vitp"
     register_name: Str | None = None  # Model Registry name for the final model
+    parent_run: Str | None = None  # nest this run under that MLflow run id (a transfer suite's cells)
+    log_model: Bool = True  # transfer: the final model as an MLflow model (a suite's grid cells keep no weights)
     flush_every_s: Float = Field(2.0, gt=0)
     # at the end of a run, how long to wait for an unreachable server before spooling what is left
     # (then `vitp sync RUN_DIR` delivers it); a stopped (requeued) job waits at most 10 s

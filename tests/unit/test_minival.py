@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -131,3 +132,23 @@ def test_minival_split_checks_and_config_errors(dataset, tmp_path):
         load_config("configs/transfer/tiny_cpu.yaml", ["data.minival_limit=5"])
     with pytest.raises(ConfigError, match="data.minival_fraction"):
         load_config("configs/transfer/tiny_cpu.yaml", ["data.minival_fraction=1.5"])
+
+
+def test_vitp_eval_reads_split_minival(dataset, tmp_path, capsys):
+    """`vitp eval --split minival data.minival_fraction=...` scores exactly the held-out samples."""
+    from launch.cli import main
+    from pipeline.model import build_vit
+    from pipeline.weights import save_model
+
+    path, _ = dataset
+    model = build_vit(width=32, depth=1, heads=2, mlp_dim=64, patch=4, img_size=16, num_classes=3)
+    save_model(model, tmp_path / "m.safetensors")
+    argv = ["eval", "--checkpoint", str(tmp_path / "m.safetensors"), "--data", str(path), "--split", "minival",
+            "--out", str(tmp_path / "ev"), "--batch", "4", "data.minival_fraction=0.2", "data.workers=0"]
+    assert main(argv) == 0
+    res = json.loads((tmp_path / "ev" / "results.json").read_text())
+    assert res["eval/minival/n"] == 9  # 3 of each class
+    assert main(argv[:-2]) == 2  # without the data section's minival there is no split minival
+    assert "'minival'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="data.minival_fraction: a minival is held out of a `vitp prep`"):
+        load_config("configs/transfer/tiny_cpu.yaml", ["data.minival_fraction=0.1", "data.path=synthetic:train=64"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from pipeline.config.sections import Bool, Float, List, Section, Str
+from pipeline.config.sections import Bool, Float, Int, List, Section, Str
 
 PAPER_LRS = [0.001, 0.003, 0.01, 0.03]
 VTAB_TRAIN, VTAB_MINIVAL = 800, 200  # VTAB-1k: 1000 training examples, 200 of them to choose on
@@ -53,7 +53,7 @@ class SuiteSpec(Section):
     transfer_config: Str
     lrs: List(Float) = Field(default_factory=lambda: list(PAPER_LRS))
     minival_fraction: Float = Field(0.02, gt=0.0, lt=1.0)
-    minival_seed: int = 0
+    minival_seed: Int = 0
     vtab1k: Bool = False  # 800 to train + 200 to choose on, then the final on all 1000
     overrides: List(Str) = Field(default_factory=list)  # transfer-config overrides of every cell
     datasets: List(SuiteDataset)

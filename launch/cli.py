@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                 "vitp inspect --checkpoint runs/pre --image cat.jpg --out figs/"),
     "plan": ("launch.stages:plan_main", "memory, step time and cost of a run, on paper",
              "vitp plan --config configs/pretrain/vit_l16.yaml cluster.nodes=4 --sweep zero=1,2,3"),
+    "suite": ("launch.suite:suite_main", "judge a checkpoint the paper's way: transfer over many datasets",
+              "vitp suite --config configs/suite/tiny.yaml init.from=runs/pre run.dir=runs/suite"),
     "submit": ("launch.submit:submit_main", "submit a stage to SLURM (submitit)",
                "vitp submit pretrain --config configs/pretrain/vit_l16.yaml cluster.nodes=4 data.path=/data/shards"),
     "preflight": ("launch.preflight:preflight_main", "prove the cluster (driver, GPUs, NCCL, disks) before a run",
@@ -45,6 +47,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
                "vitp config show --config configs/pretrain/vit_b16.yaml optim.lr=3e-4"),
 }
 
+# `vitp COMMAND SUB ...` served by another module than COMMAND's (it builds on COMMAND's module)
+SUBCOMMANDS: dict[tuple[str, str], str] = {
+    ("submit", "suite"): "launch.suite_slurm:submit_suite",  # a transfer suite: arrays and dependent jobs
+}
+
 
 # What 1 means for each command whose run can fail after it started (0 is success, 2 a usage, config
 # or input mistake, for every command).
@@ -55,6 +62,7 @@ FAILED = {
                 "to resume)",
     "transfer": "a failed run (a non-finite loss); 143: stopped by SIGTERM after a checkpoint (run it again "
                 "to resume)",
+    "suite": "a cell failed (the others are kept; the same command again retries it)",
     "submit": "with --wait: a job failed, or --preflight's checks failed",
     "preflight": "a check failed",
     "logs": "no log yet",
@@ -184,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         _top_parser().print_usage(sys.stderr)
         print(f"vitp: error: unknown command {command!r}", file=sys.stderr)
         return 2
+    sub = SUBCOMMANDS.get((command, rest[0] if rest else ""))
+    if sub is not None:
+        return run_command(_resolve(sub), rest[1:])
     return run_command(_resolve(COMMANDS[command][0]), rest)
 
 

@@ -36,10 +36,10 @@ def _has_cuda() -> bool:
 
 
 def run_local(argv: list[str], nprocs: int, *, env: dict | None = None, timeout: float | None = None,
-              module: str = "launch.cli") -> int:
+              module: str = "launch.cli", log: str | os.PathLike | None = None) -> int:
     """Run ``python -m MODULE *argv`` (the vitp command line by default) as ``nprocs`` ranks; 0 if all
     succeed, else the first failure's code (negative: killed by that signal; 124: ``timeout`` seconds
-    passed)."""
+    passed). ``log``: the ranks' stdout and stderr are appended to this file instead of this process's."""
     base = dict(os.environ)
     base.update(env or {})
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nprocs),
@@ -48,9 +48,11 @@ def run_local(argv: list[str], nprocs: int, *, env: dict | None = None, timeout:
     if not _has_cuda():
         base.setdefault("DS_ACCELERATOR", "cpu")
     procs = []
+    out = open(log, "ab") if log is not None else None  # noqa: SIM115 (closed below, after the ranks)
     for r in range(nprocs):
         e = dict(base, RANK=str(r), LOCAL_RANK=str(r))
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=e, cwd=os.getcwd()))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=e, cwd=os.getcwd(), stdout=out,
+                                      stderr=subprocess.STDOUT if out else None))
     deadline = None if timeout is None else time.monotonic() + timeout
     code = 0
     try:
@@ -68,6 +70,8 @@ def run_local(argv: list[str], nprocs: int, *, env: dict | None = None, timeout:
             time.sleep(0.2)  # polling a handful of children; not synchronisation of results
     finally:
         _stop_all(procs)
+        if out is not None:
+            out.close()
     return code
 
 

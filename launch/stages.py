@@ -202,15 +202,21 @@ def print_eval(res) -> None:
 
 
 def eval_main(argv: list[str]) -> int:
-    from pipeline.config import EvalConfig, load_config
+    from pipeline.config import ConfigError, EvalConfig, load_config
     from pipeline.distributed import dist_env, leave_process_group
 
     p = parser_for("eval", "Evaluate a checkpoint: top-1/top-5, per-class accuracy and confusion matrix on a "
                            "split (on multi-label data: precision@1, mean average precision and per-class AP); "
                            "few-shot linear evaluation and a linear probe on frozen features.")
     add_eval_args(p)
-    args = p.parse_args(argv)
-    cfg = load_config(None, eval_overrides(args), world_size=dist_env().world_size, schema=EvalConfig)
+    p.add_argument("overrides", nargs="*", metavar="data.KEY=VALUE",
+                   help="the data section as the run had it, e.g. data.minival_fraction=0.02 for --split minival")
+    args = p.parse_intermixed_args(argv)
+    bad = [o for o in args.overrides if not o.startswith("data.")]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r}: `vitp eval` takes its flags and data.* overrides")
+    cfg = load_config(None, [*eval_overrides(args), *args.overrides], world_size=dist_env().world_size,
+                      schema=EvalConfig)
     from pipeline.evaluate import evaluate
 
     try:

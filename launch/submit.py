@@ -147,7 +147,7 @@ def check_data(cfg, stage: str) -> None:
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
     from data_prep import store
     from data_prep.schema import INFO_FILE, DatasetInfo
-    from pipeline.data import DataError, check_splits
+    from pipeline.data import DataError, check_splits, minival_source
     from pipeline.data.synthetic import is_synthetic
     from pipeline.eval.evaluators import check_data as check_evaluators_data
 
@@ -158,8 +158,8 @@ def check_data(cfg, stage: str) -> None:
         raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
     check_addresses(cfg, stage)  # remote datasets answer (bucket, 403, 404) before their splits are read
     try:
-        check_splits(path, splits_read(cfg, stage))
-        check_evaluators_data(evaluators_of(cfg, stage), path)  # the declared evaluators' splits
+        check_splits(path, splits_read(cfg, stage), minival_from=minival_source(cfg.data))
+        check_evaluators_data(evaluators_of(cfg, stage), cfg.data)  # the declared evaluators' splits
     except DataError as e:
         raise SubmitError(str(e)) from None
     if stage == "eval" or cfg.data.resampled or is_synthetic(path):
@@ -267,11 +267,16 @@ def same_job(cfgs: list, sets: list[list[str]]) -> None:
                                   "separately")
 
 
-def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, extra: dict | None = None) -> list[dict]:
-    """Submit one job (one call) or one array (several); write each job's resolved config; index them."""
+def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, extra: dict | None = None,
+                after: list[str] | None = None) -> list[dict]:
+    """Submit one job (one call) or one array (several); write each job's resolved config; index them.
+    ``after``: SLURM job ids it starts after, whatever their outcome (``afterany``; a suite's final)."""
     from pipeline.config import write_resolved
 
     ex = make_executor(cfgs[0], cluster)
+    if after:
+        more = slurm_parameters(cfgs[0])["slurm_additional_parameters"]
+        ex.update_parameters(slurm_additional_parameters={**more, "dependency": "afterany:" + ":".join(after)})
     if len(calls) == 1:
         jobs = [ex.submit(calls[0])]
     else:
@@ -361,7 +366,8 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
     """`vitp submit STAGE ...`; ``target`` ("module:function") replaces the stage function (tests)."""
     if not argv or argv[0] in ("-h", "--help"):
         stage_parser().print_help()
-        print(f"\nstages: {', '.join(STAGES)}; `vitp submit prep --help` for the array form")
+        print(f"\nstages: {', '.join(STAGES)}, suite; `vitp submit prep --help` for the array form, "
+              "`vitp submit suite --help` for a transfer suite")
         return 0 if argv else 2
     stage, rest = argv[0], argv[1:]
     if stage not in STAGES:

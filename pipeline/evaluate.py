@@ -84,7 +84,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
         raise ConfigError("eval.checkpoint: give the run directory or weights file to evaluate")
     declared = evals.declare(evals.eval_entries(cfg))
     try:
-        evals.check_data(declared, cfg.data.path)
+        evals.check_data(declared, cfg.data)
     except DataError as err:
         raise FileNotFoundError(str(err)) from None
     setup(cfg)

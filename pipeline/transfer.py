@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import Config, ConfigError, EvalEntry
-from pipeline.data import check_splits, read_info
+from pipeline.data import check_splits, minival_source, read_info
 from pipeline.distributed import rank0_print, setup
 from pipeline.eval import evaluators as evals
 from pipeline.eval.classify import write_results
@@ -70,19 +70,22 @@ def transfer(cfg: Config) -> Result:
                "source": str(cfg.init.from_), **lineage, "mlflow_run_id": run.result.mlflow_run_id}
         path = write_results(doc, cfg.run.dir)
         run.tracker.set_tags({"stage": "transfer", **{f"vitp.{k}": v for k, v in lineage.items()},
-                              **({"mlflow.parentRunId": lineage["parent_run_id"]} if "parent_run_id" in lineage
-                                 else {})})
+                              **({"mlflow.parentRunId": lineage["parent_run_id"]}
+                                 if "parent_run_id" in lineage and not cfg.tracking.parent_run else {})})
         run.tracker.log({f"final/{k}": v for k, v in metrics.items()}, run.result.step)
         for a in [path, *done.artifacts]:
             run.tracker.log_artifact(a)
         # two images: the logged program's batch dimension stays dynamic (a batch of 1 would fix it)
         example = torch.zeros(2, 3, cfg.model.img_size, cfg.model.img_size).numpy()
-        run.tracker.log_model(final.cpu().eval(), input_example=example, registered_name=cfg.tracking.register_name)
+        if cfg.tracking.log_model:
+            run.tracker.log_model(final.cpu().eval(), input_example=example,
+                                  registered_name=cfg.tracking.register_name)
         shown = "  ".join(f"{k} {res[f'{split}/{k}']:.4f}" for k in ("top1", "top5", "prec1", "mAP")
                           if f"{split}/{k}" in res)
         rank0_print(f"transfer: val {shown}  -> {path}")
 
-    check_splits(cfg.data.path, {"data.val_split": cfg.data.val_split or "val"})  # publish scores it
+    check_splits(cfg.data.path, {"data.val_split": cfg.data.val_split or "val"},  # publish scores it
+                 minival_from=minival_source(cfg.data))
     setup(cfg)
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
         groups = lambda m: param_groups_layer_decay(m, cfg.optim.layer_decay, cfg.optim.weight_decay)  # noqa: E731

@@ -171,12 +171,30 @@ class DataCfg(Section):
     read_timeout_s: Float = Field(60.0, gt=0.0, le=3600.0)
     read_retries: Int = Field(5, ge=0, le=100)
     on_read_error: one_of("skip", "stop") = "skip"
+    # minival (pipeline/data/minival.py): a per-class stratified part of data.train_split held out of
+    # training and read as split `minival`, chosen by a hash of each sample's key seeded minival_seed;
+    # either a fraction of every class (at least one each) or fixed counts (VTAB-1k's 800 + 200)
+    minival_fraction: Float = Field(0.0, ge=0.0, lt=1.0)
+    minival_seed: Int = 0
+    train_limit: Int | None = Field(None, ge=1)  # train on this many (allotted to classes in proportion)
+    minival_limit: Int | None = Field(None, ge=0)  # hold out this many as minival (the same hash order)
 
     @model_validator(mode="after")
     def _crop(self):
         s = self.crop_scale
         if len(s) != 2 or not 0 < s[0] <= s[1] <= 1:
             raise _problem(f"data.crop_scale: need [lo, hi] with 0 < lo <= hi <= 1; got {s}")
+        return self
+
+    @model_validator(mode="after")
+    def _minival(self):
+        if self.minival_fraction and (self.train_limit is not None or self.minival_limit is not None):
+            raise _problem("data.minival_fraction: set it or data.train_limit/data.minival_limit, not both")
+        if self.minival_limit and self.train_limit is None:
+            raise _problem("data.minival_limit: needs data.train_limit (the examples kept to train on)")
+        if (self.minival_fraction or self.train_limit is not None) and self.path.startswith("synthetic"):
+            raise _problem("data.minival_fraction: a minival is held out of a `vitp prep` dataset's train split, "
+                           f"not of {self.path!r}")
         return self
 
 
@@ -284,6 +302,8 @@ class TrackingCfg(Section):
     uri: Str | None = None  # None: $MLFLOW_TRACKING_URI, else a SQLite store under run.dir
     experiment: Str = "vitp"
     register_name: Str | None = None  # Model Registry name for the final model
+    parent_run: Str | None = None  # nest this run under that MLflow run id (a transfer suite's cells)
+    log_model: Bool = True  # transfer: the final model as an MLflow model (a suite's grid cells keep no weights)
     flush_every_s: Float = Field(2.0, gt=0)
     # at the end of a run, how long to wait for an unreachable server before spooling what is left
     # (then `vitp sync RUN_DIR` delivers it); a stopped (requeued) job waits at most 10 s

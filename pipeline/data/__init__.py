@@ -22,6 +22,7 @@ import os
 
 from data_prep import store
 from data_prep.schema import INFO_FILE
+from pipeline.data.minival import MINIVAL, minival_source, stored_split
 from pipeline.data.shards import DataError, Info, SplitInfo, info_file, read_description
 from pipeline.data.source import DataSource, EvalBatches, TrainBatches
 
@@ -54,11 +55,12 @@ _HINTS = {
 }
 
 
-def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None:
+def check_splits(path: str | os.PathLike, splits: dict[str, str | None], *, minival_from: str | None = None) -> None:
     """Every split a run will read is in the dataset, before anything starts (submission, stage start).
 
     ``splits``: config key → split name, e.g. ``{"data.train_split": "train", "data.val_split": "val"}``;
-    a None/empty name (no evaluation) is not read and not checked. Reads only ``_info.json`` (or the
+    a None/empty name (no evaluation) is not read and not checked; ``minival`` is held out of the split
+    ``minival_from`` when that is set (:func:`pipeline.data.minival.minival_source`). Reads only ``_info.json`` (or the
     synthetic spec). Raises DataError with one line naming the key, the file and what to do::
 
         data.val_split: 'val' not in SHARDS/_info.json (has: train); re-run vitp prep with --val-fraction ...
@@ -66,7 +68,7 @@ def check_splits(path: str | os.PathLike, splits: dict[str, str | None]) -> None
 
     from pipeline.data import synthetic
 
-    want = {k: v for k, v in splits.items() if v}
+    want = {k: (minival_from if v == MINIVAL and minival_from else v) for k, v in splits.items() if v}
     if synthetic.is_synthetic(str(path)):
         where = f"data.path {path}"
         has = {k: sp.num_samples for k, sp in synthetic.read_info(str(path)).splits.items()}
@@ -106,4 +108,4 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
 
 
 __all__ = ["DataError", "DataSource", "EvalBatches", "Info", "SplitInfo", "TrainBatches", "dataset_inputs",
-           "check_splits", "num_classes", "read_info", "source_for"]
+           "check_splits", "minival_source", "num_classes", "stored_split", "read_info", "source_for"]

@@ -49,6 +49,7 @@ from .augment import (
     sample_seed,
     shuffle_buffer,
 )
+from .minival import evaluated_split, training_split
 from .resume import dropping, resumed
 from .shards import (  # noqa: F401 (re-exported: callers import the dataset API from here)
     SKIP_REASONS,
@@ -61,6 +62,7 @@ from .shards import (  # noqa: F401 (re-exported: callers import the dataset API
     read_positions,
     read_segments,
     read_shard,
+    read_slices,
     segments,
 )
 from .source import ClassLoaders, DataSource
@@ -201,7 +203,7 @@ def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, coun
     where that cannot be exact, reads the first ``skip`` samples again and drops them."""
     seed, rank, sp, K, ml = p.seed, p.rank, p.split, p.num_classes, p.multi_label
     lengths, urls = list(sp.lengths), sp.urls
-    kw = dict(num_classes=K, multi_label=ml, policy=p.policy)
+    kw = dict(num_classes=K, multi_label=ml, policy=p.policy, keep=sp.keep)
     if p.resampled:
         rng = np.random.default_rng([seed, epoch, rank, stream, 1])
 
@@ -209,7 +211,7 @@ def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, coun
             while True:
                 got = 0
                 for _ in range(len(urls)):
-                    for x in read_shard(urls[int(rng.integers(len(urls)))], counts, 0, None, **kw):
+                    for x in read_slices(urls, [(int(rng.integers(len(urls))), 0, None, None)], counts, **kw):
                         got += 1
                         yield x
                 if not got:
@@ -286,7 +288,7 @@ class TrainLoader:
                             f"train.micro_batch {micro_batch}")
         self.cfg = cfg_data
         self.info = read_info(cfg_data.path)
-        self.split = self.info.split(split or cfg_data.train_split)
+        self.split = training_split(cfg_data, self.info, split or cfg_data.train_split)
         self.rank, self.world_size, self.seed = rank, world_size, int(seed)
         self.img_size, self.micro_batch, self.global_batch = int(img_size), int(micro_batch), int(global_batch)
         self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
@@ -423,7 +425,9 @@ class EvalLoader:
         if not name:
             raise DataError("data.val_split: not set; no split to evaluate")
         self.info = read_info(cfg_data.path)
-        self.split = self.info.split(name)
+        self.split, held = evaluated_split(cfg_data, self.info, name)  # minival: positions of the train split
+        if held is not None:
+            positions = held if positions is None else [held[i] for i in positions]
         self.rank, self.world_size = rank, world_size
         self.img_size, self.batch = int(img_size), int(batch)
         self.crop_pct = cfg_data.eval_crop_pct if crop_pct is None else float(crop_pct)

@@ -34,7 +34,8 @@ def resumed(p, segs: list, counts: SkipCounts, rng: np.random.Generator, skip: i
     first run's was), the samples still in its buffer are read by position, and the rest of the
     range is read from its byte offset on. Exact when every position of the prefix was readable
     (the loader falls back to re-reading otherwise)."""
-    sp, kw = p.split, dict(num_classes=p.num_classes, multi_label=p.multi_label, policy=p.policy)
+    sp = p.split
+    kw = dict(num_classes=p.num_classes, multi_label=p.multi_label, policy=p.policy, keep=sp.keep)
     urls, lengths = sp.urls, list(sp.lengths)
     n = sum(hi - lo for _, lo, hi in segs)
     if p.shuffle_buffer <= 1:

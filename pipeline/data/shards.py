@@ -47,6 +47,9 @@ class SplitInfo:
     num_samples: int
     urls: tuple[str, ...]  # one per shard: a local path or a dataset address (s3://, gs://, https://, pipe:)
     lengths: tuple[int, ...]  # samples per shard
+    # a split cut to some of its samples (pipeline/data/minival.py): per shard, the indices kept; positions
+    # and ``lengths`` then count kept samples only, and reads translate them (``read_slices``)
+    keep: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -342,10 +345,22 @@ def range_stop(hi: int, length: int) -> int | None:
     return None if hi >= length else hi
 
 
-def read_slices(urls, slices, counts: SkipCounts, **kw) -> Iterator[tuple]:
+def kept_slice(keep: tuple[int, ...], s: int, lo: int, stop: int | None, want) -> tuple | None:
+    """A slice in kept-sample indices of shard ``s`` (``keep``: its kept indices) as the slice of the
+    shard's own indices that reads exactly those samples; None when it holds none."""
+    idx = keep[lo:len(keep) if stop is None else stop] if want is None else [keep[i] for i in sorted(want)]
+    if not len(idx):
+        return None
+    return s, idx[0], idx[-1] + 1, set(idx)
+
+
+def read_slices(urls, slices, counts: SkipCounts, keep=None, **kw) -> Iterator[tuple]:
     """Samples of ``slices`` = [(shard, start, stop, want)] in order (read_shard's arguments; ``kw``:
-    its keywords). While a remote shard is consumed the next slice's stream is already open and
-    fetching its first blocks, so a reader does not wait a round trip at each shard boundary."""
+    its keywords; ``keep``: a cut split's kept indices per shard, see :class:`SplitInfo`, the slices
+    then counting kept samples). While a remote shard is consumed the next slice's stream is already
+    open and fetching its first blocks, so a reader does not wait a round trip at each shard boundary."""
+    if keep is not None:
+        slices = [x for x in (kept_slice(keep[sl[0]], *sl) for sl in slices) if x is not None]
     policy, ahead = kw.get("policy"), None
     try:
         for j, (s, lo, stop, want) in enumerate(slices):
@@ -386,4 +401,4 @@ def read_positions(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> Iterat
         want = None if hi - lo == k - j else set(local.tolist())
         slices.append((s, lo, range_stop(hi, sp.lengths[s]), want))
         j = k
-    yield from read_slices(sp.urls, slices, counts, **kw)
+    yield from read_slices(sp.urls, slices, counts, keep=sp.keep, **kw)

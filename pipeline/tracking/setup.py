@@ -97,7 +97,8 @@ class Tracking:
         sink = MlflowSink(uri, experiment=experiment or self.cfg.experiment,
                           run_name=run_name or self.run_name or run_dir.name,
                           spool_dir=run_dir, run_id=run_id, run_key=run_key, params=params, tags=tags,
-                          flush_every_s=self.cfg.flush_every_s, parent_run_id=parent_run_id,
+                          flush_every_s=self.cfg.flush_every_s,
+                          parent_run_id=parent_run_id or getattr(self.cfg, "parent_run", None),
                           artifact_location=(run_dir.resolve() / "mlartifacts").as_uri() if local else None,
                           system_metrics_every_s=(self.cfg.system_metrics_every_s if self.cfg.system_metrics
                                                   else None))

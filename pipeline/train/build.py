@@ -34,7 +34,7 @@ import torch
 
 from pipeline import data as data_lib
 from pipeline.config import Config, resolve
-from pipeline.data import check_splits
+from pipeline.data import check_splits, minival_source
 from pipeline.data.mixing import Mixer
 from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval import evaluators as evals
@@ -185,8 +185,9 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     resume_from = prepare_run_dir(cfg.run, resolved.yaml, rank)
     source = data_lib.source_for(cfg.data.path)
     # a missing split fails now, in one line, not after the last step
-    check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split})
-    evals.check_data(declared, cfg.data.path)
+    check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split},
+                 minival_from=minival_source(cfg.data))
+    evals.check_data(declared, cfg.data)
     tracking = Tracking.from_config(cfg, run_dir, rank=rank)
     tracking.check_access()  # a refused login fails now, in one line, not after training
     info = source.read_info()

@@ -32,6 +32,7 @@ BAD = {
     "cancel": (["123", "--log-dir", "jobs"], "error: job 123: not in jobs/index.jsonl (use --log-dir)"),
     "sync": (["missing-run"], "error: missing-run: no such run directory"),
     "demo": (["--data", "missing"], "error: --data missing: not a directory"),
+    "suite": (["--config", "missing.yaml", "init.from=run", "run.dir=out"], "error: missing.yaml: cannot read"),
     "config": (["show", "--config", TINY, "engine.zero_stage=4"], "error: engine.zero_stage: must be <= 3; got 4"),
 }
 

@@ -1,0 +1,167 @@
+"""A transfer suite's results: each cell's state read from its run dir, the choice of each dataset's lr,
+and the tables (``OUT/suite.csv`` one row per cell, ``OUT/suite.md`` Table 2's shape) and ``suite.png``.
+
+A cell is *completed* when its run dir's ``results.json`` holds its score (``<split>/top1``, or on
+multi-label data ``<split>/prec1``), *failed* when the suite recorded a failure in ``suite_cell.json``
+(with the reason), *pending* otherwise. Everything here is read from the run dirs, so the table of a
+suite resumed, or run half on SLURM, is the same table.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CELL_FILE = "suite_cell.json"  # the suite's record of a cell that failed: {"status", "error"}
+COLUMNS = ["dataset", "phase", "lr", "minival_top1", "test_top1", "selected", "status", "error", "run_dir"]
+# results.json keys that are not metrics of an evaluator (the extra columns of a final)
+_NOT_EXTRA = {"step", "num_classes", "img_size", "parent_step"}
+
+
+@dataclass
+class CellState:
+    status: str  # "completed" | "failed" | "pending" | "skipped"
+    score: float | None = None  # top-1 (prec@1 on multi-label data) on the split the cell is scored on
+    error: str = ""
+    extra: dict[str, float] = field(default_factory=dict)  # a final's other metrics (its `evals:` entries)
+
+
+def read_results(run_dir: Path) -> dict:
+    try:
+        return json.loads((Path(run_dir) / "results.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cell_state(run_dir: Path, split: str) -> CellState:
+    """What the cell's run dir says (see the module docstring)."""
+    res = read_results(run_dir)
+    score = next((res[k] for k in (f"{split}/top1", f"{split}/prec1") if isinstance(res.get(k), (int, float))), None)
+    if score is not None:
+        extra = {k: float(v) for k, v in res.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and k not in _NOT_EXTRA and not k.startswith(f"{split}/")}
+        return CellState("completed", float(score), extra=extra)
+    try:
+        rec = json.loads((Path(run_dir) / CELL_FILE).read_text())
+        return CellState(rec.get("status", "failed"), error=rec.get("error", ""))
+    except (OSError, ValueError):
+        return CellState("pending")
+
+
+def record_failure(run_dir: Path, error: str, status: str = "failed") -> None:
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / CELL_FILE).write_text(json.dumps({"status": status, "error": error}))
+
+
+def clear_record(run_dir: Path) -> None:
+    (Path(run_dir) / CELL_FILE).unlink(missing_ok=True)
+
+
+def choose(scores: list[tuple[float, float | None]]) -> float | None:
+    """The lr of the best minival score among ``(lr, score)`` (None: the cell has none); ties go to the
+    smaller lr. None when no cell has a score."""
+    done = [(lr, s) for lr, s in scores if s is not None and not math.isnan(s)]
+    if not done:
+        return None
+    return min(done, key=lambda x: (-x[1], x[0]))[0]
+
+
+def write_tables(out: Path, rows: list[dict]) -> tuple[Path, Path]:
+    """``suite.csv`` (every cell, then each final's extra metrics as columns) and ``suite.md``."""
+    out = Path(out)
+    extra = sorted({k for r in rows for k in r.get("extra", {})})
+    with open(out / "suite.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS + extra)
+        for r in rows:
+            w.writerow([_cell_text(r.get(c)) for c in COLUMNS] + [_cell_text(r.get("extra", {}).get(k)) for k in extra])
+    md = out / "suite.md"
+    md.write_text(markdown([(out.name, finals(rows))]))
+    return out / "suite.csv", md
+
+
+def _cell_text(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else ""
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def finals(rows: list[dict]) -> dict[str, float | None]:
+    """dataset -> its final's test score (None when the final did not complete), in the rows' order."""
+    out: dict[str, float | None] = {}
+    for r in rows:
+        out.setdefault(r["dataset"], None)
+        if r["phase"] == "final" and r["status"] == "completed":
+            out[r["dataset"]] = r["test_top1"]
+    return out
+
+
+def mean(scores: dict[str, float | None]) -> float | None:
+    vals = list(scores.values())
+    return sum(vals) / len(vals) if vals and all(v is not None for v in vals) else None
+
+
+def markdown(columns: list[tuple[str, dict[str, float | None]]]) -> str:
+    """Table 2's shape: one row per dataset, one column per checkpoint (suite), a mean row; scores in %."""
+    names = list(dict.fromkeys(d for _, col in columns for d in col))
+    fmt = lambda v: "-" if v is None else f"{100 * v:.2f}"  # noqa: E731
+    lines = ["| dataset | " + " | ".join(n for n, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    for d in names:
+        lines.append(f"| {d} | " + " | ".join(fmt(col.get(d)) for _, col in columns) + " |")
+    lines.append("| **mean** | " + " | ".join(fmt(mean({d: col.get(d) for d in names})) for _, col in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def read_csv_finals(out: Path) -> dict[str, float | None]:
+    """dataset -> final test score, from a suite's ``suite.csv``."""
+    p = Path(out) / "suite.csv"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: not found (is {out} a suite's output folder?)")
+    with open(p, newline="") as f:
+        rows = list(csv.DictReader(f))
+    got: dict[str, float | None] = {}
+    for r in rows:
+        got.setdefault(r["dataset"], None)
+        if r["phase"] == "final" and r["status"] == "completed" and r["test_top1"]:
+            got[r["dataset"]] = float(r["test_top1"])
+    return got
+
+
+def draw(columns: list[tuple[str, dict[str, float | None]]], path: Path) -> Path:
+    """Bars per dataset (and the mean), one colour per checkpoint."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = list(dict.fromkeys(d for _, col in columns for d in col)) + ["mean"]
+    width = 0.8 / max(1, len(columns))
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(names) * max(1, len(columns)) ** 0.5), 3.2))
+    x = np.arange(len(names))
+    for i, (label, col) in enumerate(columns):
+        vals = [col.get(d) for d in names[:-1]] + [mean({d: col.get(d) for d in names[:-1]})]
+        ax.bar(x + i * width, [100 * (v or 0.0) for v in vals], width, label=label)
+    ax.set_xticks(x + width * (len(columns) - 1) / 2, names, rotation=30, ha="right")
+    ax.set_ylabel("test top-1 (%)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def report(out: Path, compare: list[str]) -> tuple[Path, Path]:
+    """`vitp suite report OUT --compare OTHER ...`: suite.md with one column per suite, and suite.png."""
+    out = Path(out)
+    columns = [(Path(o).resolve().name, read_csv_finals(o)) for o in [out, *compare]]
+    md = out / "suite.md"
+    md.write_text(markdown(columns))
+    return md, draw(columns, out / "suite.png")

@@ -1,0 +1,123 @@
+"""`vitp suite` on this machine: configs/suite/tiny.yaml (2 datasets x 2 lrs, 2 steps a cell, one rank
+each) from the session's tiny pre-trained checkpoint, into the real MLflow server. A corrupt shard fails
+one dataset's grid (recorded, the other dataset finished); the same command, once the shard is back,
+runs only what is missing, and a final whose results were lost resumes from its checkpoint to the same
+number. The tables, the choice of lr and the parent/nested MLflow runs are checked by value."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.test_mlflow_runs import rest, run_of
+from tests.unit.test_data_shards import write_dataset
+
+pytestmark = [pytest.mark.mlflow_server, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def vitp(*args, timeout=900):
+    e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def tiny_suite(tmp_path: Path, data: dict[str, Path], test_splits: dict[str, str] | None = None) -> Path:
+    """configs/suite/tiny.yaml with its datasets at ``data`` (and their ``test_splits``)."""
+    spec = yaml.safe_load((ROOT / "configs/suite/tiny.yaml").read_text())
+    for d in spec["datasets"]:
+        d["data"] = str(data[d["name"]])
+        d["test_split"] = (test_splits or {}).get(d["name"], d.get("test_split", "test"))
+    spec["transfer_config"] = str(ROOT / spec["transfer_config"])
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def table(out: Path) -> dict[tuple[str, str, str], dict]:
+    with open(out / "suite.csv", newline="") as f:
+        return {(r["dataset"], r["phase"], r["lr"]): r for r in csv.DictReader(f)}
+
+
+def started(stdout: str) -> list[str]:
+    return [ln.split()[1] for ln in stdout.splitlines() if ln.startswith("suite: ") and ln.endswith(" ...")]
+
+
+def test_suite_fails_one_cell_keeps_the_rest_and_resumes(tiny_reference, corpus_shards, mlflow_server, tmp_path):
+    pre = tiny_reference(2)
+    b = tmp_path / "shapes_b"
+    write_dataset(b, {"train": [15, 15], "test": [9]}, num_classes=2)
+    good = (b / "train-000001.tar").read_bytes()
+    (b / "train-000001.tar").write_bytes(good[: len(good) // 2])  # cut off: its labels cannot all be read
+    spec = tiny_suite(tmp_path, {"shapes_a": corpus_shards, "shapes_b": b}, {"shapes_a": "val"})
+    out, exp = tmp_path / "out", f"suite-{uuid.uuid4().hex[:10]}"
+    args = ["suite", "--config", str(spec), f"init.from={pre}", f"run.dir={out}", f"tracking.uri={mlflow_server}",
+            f"tracking.experiment={exp}"]
+
+    r = vitp(*args)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert started(r.stdout) == ["shapes_a/grid_lr0.01", "shapes_a/grid_lr0.03", f"shapes_a/final_lr{_best(out)}",
+                                 "shapes_b/grid_lr0.01", "shapes_b/grid_lr0.03"]
+    t = table(out)
+    for lr in ("0.01", "0.03"):
+        row = t[("shapes_b", "grid", lr)]
+        assert row["status"] == "failed" and "needs every label" in row["error"] and row["minival_top1"] == ""
+    assert t[("shapes_b", "final", "")]["status"] == "skipped"
+    assert "suite: 3/6 cells completed" in r.stdout and "run the same command again" in r.stderr
+
+    # grid: scored on minival (3 classes x round(0.2 n_c)), weights dropped; the final keeps its weights
+    grid = [t[("shapes_a", "grid", lr)] for lr in ("0.01", "0.03")]
+    for row in grid:
+        res = json.loads((Path(row["run_dir"]) / "results.json").read_text())
+        assert float(row["minival_top1"]) == pytest.approx(res["minival/top1"])
+        assert not (Path(row["run_dir"]) / "checkpoints").exists()
+    scores = [(float(g["minival_top1"]), float(g["lr"])) for g in grid]
+    best = min(scores, key=lambda s: (-s[0], s[1]))[1]
+    assert [g["selected"] for g in grid] == ["yes" if float(g["lr"]) == best else "" for g in grid]
+    final = t[("shapes_a", "final", f"{best:g}")]
+    final_dir = Path(final["run_dir"])
+    assert final["status"] == "completed" and (final_dir / "model.safetensors").is_file()
+    first_test = json.loads((final_dir / "results.json").read_text())["val/top1"]
+    assert float(final["test_top1"]) == pytest.approx(first_test)
+
+    # fixed shard, a lost results.json: the same command runs only what is missing
+    (b / "train-000001.tar").write_bytes(good)
+    (final_dir / "results.json").unlink()
+    r = vitp(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert started(r.stdout)[0] == f"shapes_a/{final_dir.name}"
+    assert [s for s in started(r.stdout) if s.startswith("shapes_b/")][:2] == ["shapes_b/grid_lr0.01",
+                                                                               "shapes_b/grid_lr0.03"]
+    assert len(started(r.stdout)) == 4 and "suite: 6/6 cells completed" in r.stdout
+    t = table(out)
+    assert float(t[("shapes_a", "final", f"{best:g}")]["test_top1"]) == pytest.approx(first_test)  # resumed
+    md = (out / "suite.md").read_text().splitlines()
+    finals = {row["dataset"]: float(row["test_top1"]) for row in t.values() if row["phase"] == "final"}
+    assert md[0] == "| dataset | out |" and md[-1] == f"| **mean** | {100 * sum(finals.values()) / 2:.2f} |"
+
+    # MLflow: one parent run for the suite, every cell's run nested under it
+    exp_id = rest(mlflow_server, "experiments/get-by-name", experiment_name=exp)["experiment"]["experiment_id"]
+    runs = [run_of(mlflow_server, x["info"]["run_id"])
+            for x in rest(mlflow_server, "runs/search", {"experiment_ids": [exp_id], "max_results": 50})["runs"]]
+    (parent,) = [x for x in runs if x["tags"].get("stage") == "suite"]
+    cells = [x for x in runs if x["tags"].get("stage") == "transfer"]
+    assert {x["tags"]["mlflow.parentRunId"] for x in cells} == {parent["info"]["run_id"]}
+    assert len({x["info"]["run_name"] for x in cells}) == 6
+    m = parent["metrics"]
+    assert m["suite/mean_test_top1"] == pytest.approx(sum(finals.values()) / 2)
+    assert m["suite/shapes_b/test_top1"] == pytest.approx(finals["shapes_b"])
+    assert parent["tags"]["vitp.checkpoint"] == str(pre) and parent["info"]["status"] == "FINISHED"
+
+
+def _best(out: Path) -> str:
+    t = table(out)
+    (row,) = [r for (d, p, _), r in t.items() if d == "shapes_a" and p == "final"]
+    return row["lr"]

@@ -28,7 +28,7 @@ from pathlib import Path
 from pipeline.config.prep import DEFAULT_MAX_SAMPLES_PER_SHARD, PrepCfg, prep_cfg
 
 from . import store
-from .images import DEFAULT_MAX_BYTES, ImageOptions
+from .images import DEFAULT_MAX_BYTES, NEAR_DUPLICATE, ImageOptions
 from .plan import (
     load_plan,
     make_plan,
@@ -41,8 +41,9 @@ from .plan import (
     write_or_check_plan,
 )
 from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards
-from .shards import shard_done, write_shards
+from .shards import shard_done, use_near, write_shards
 from .sources import open_source
+from .testsets import build_index, check_test_sets, read_index, write_index
 from .upload import complete_shards, write_to_store
 
 REJECTS_FILE = "rejects.jsonl"
@@ -84,19 +85,26 @@ def prep(
         out = str(out).rstrip("/")
     else:
         out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
     opts = ImageOptions(cfg.resize_shorter, cfg.resize_longer, cfg.quality, cfg.min_size, cfg.max_pixels,
                         DEFAULT_MAX_BYTES, cfg.keep_original)
     workers = cfg.workers
     kwargs = dict(seed=cfg.seed, val_fraction=cfg.val_fraction, max_samples_per_shard=cfg.samples_cap,
                   shard_size_bytes=cfg.shard_size, image_options=opts.as_dict(), do_dedup=cfg.dedup)
     listing_args = (source, cfg.classes, cfg.path_column, cfg.label_column, cfg.split_column, cfg.labels_column)
+    array_task = shard_range not in (None, (0, 0))
+    near = _test_sets(out, cfg, array_task)  # a missing or empty test set: one line, before OUT is made
+    if not remote:
+        out.mkdir(parents=True, exist_ok=True)
     # an array task (a shard range) reuses the plan its submitter stored for this very request, and
     # so never lists the source; a whole run, or the submitter (0:0), plans and checks it against OUT's
-    index = reusable_plan(out, plan_request(*listing_args, **kwargs)) if shard_range not in (None, (0, 0)) else None
+    request = {**plan_request(*listing_args, **kwargs), **({"decontaminated": near[2]} if near else {})}
+    index = reusable_plan(out, request) if array_task else None
     if index is None:
-        index = _plan(out, listing_args, kwargs, workers)
+        index = _plan(out, listing_args, kwargs, workers, near)
+        if near:  # once the plan is OUT's: what every worker and array task of it reads
+            write_index(out, *near)
     plan_id = plan_digest(index)
+    use_near(*(near[:2] if near else (None, None)))
     store.write_file(out, CLASSES_FILE, _json_bytes(index["classes"]))
 
     n_shards = len(shard_names(index))
@@ -130,15 +138,37 @@ def prep(
         "num_samples": {k: v.num_samples for k, v in info.splits.items()} if info else None,
         "num_rejects": info.num_rejects if info else None,
         "rejects_by_reason": info.rejects_by_reason if info else None,
+        **({"decontaminated": info.decontaminated} if info and info.decontaminated else {}),
         "seconds": round(seconds, 3),
         "images_per_s": round(n_written / seconds, 2) if seconds > 0 else 0.0,
     }
 
 
-def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int) -> dict:
+def _test_sets(out, cfg: PrepCfg, array_task: bool) -> tuple | None:
+    """--exclude-near: the test sets' index, built here once (a whole run, or the submitter of an array)
+    and stored under OUT, or, in an array task, the one its submitter stored there."""
+    if not cfg.exclude_near:
+        use_near(None, None)
+        return None
+    settings = {"addresses": [store.public(a) for a in cfg.exclude_near], "splits": cfg.exclude_near_splits,
+                "threshold": cfg.near_threshold}
+    if array_task:
+        stored = read_index(out)
+        if stored is not None and _settings(stored[2]) == settings:
+            return stored
+    check_test_sets(cfg.exclude_near)
+    return build_index(cfg.exclude_near, cfg.exclude_near_splits, cfg.near_threshold)
+
+
+def _settings(block: dict) -> dict:
+    return {"addresses": [a["address"] for a in block["against"]], "splits": block["splits"],
+            "threshold": block["threshold"]}
+
+
+def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int, near: tuple | None) -> dict:
     """List and plan the source in bounded memory (spilling to a temporary folder), store the plan in OUT."""
     listing = open_source(*listing_args, sizes=bool(kwargs["shard_size_bytes"]))
-    request = plan_request(*listing_args, **kwargs)
+    request = {**plan_request(*listing_args, **kwargs), **({"decontaminated": near[2]} if near else {})}
     with tempfile.TemporaryDirectory(prefix="vitp-plan-") as scratch:
         if kwargs["do_dedup"] and workers > 1:
             with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
@@ -146,8 +176,19 @@ def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int) -> dict:
                                   request=request, **kwargs)
         else:
             index = make_plan(listing, scratch, request=request, **kwargs)
+        if near:  # in the index, so in the plan id: other test sets or another threshold remake the shards
+            index["decontaminated"] = near[2]
         write_or_check_plan(out, index, scratch)
     return index
+
+
+def _decontaminated(block: dict | None, rejects: list[dict]) -> dict | None:
+    """The plan's decontaminated block with its counts: rejected per test set and in all."""
+    if block is None:
+        return None
+    near = [r["of"] for r in rejects if r["reason"] == NEAR_DUPLICATE]
+    against = [{**a, "rejected": sum(o.startswith(a["address"] + "/") for o in near)} for a in block["against"]]
+    return {**block, "against": against, "rejected": len(near)}
 
 
 def finalize(out: str | os.PathLike) -> DatasetInfo | None:
@@ -179,6 +220,7 @@ def finalize(out: str | os.PathLike) -> DatasetInfo | None:
         multi_label=bool(index.get("multi_label")), plan_id=plan_id, num_inputs=index["num_inputs"],
         num_rejects=len(rejects), rejects_by_reason=dict(sorted(by_reason.items())), seed=index["seed"],
         image_options=index["image_options"], format_version=FORMAT_VERSION, digest=plan_id,
+        decontaminated=_decontaminated(index.get("decontaminated"), rejects),
     )
     lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
     store.write_file(out, REJECTS_FILE, lines.encode("utf-8"))

@@ -116,7 +116,7 @@ def add_prep_options(p: argparse.ArgumentParser) -> None:
                         "(default: its test split if it has one, else every split)")
     p.add_argument("--near-threshold", type=int, metavar="D",
                    help="near-duplicate: at most D of the 64 bits of the perceptual hash differ (Hamming "
-                        "distance, 0-24; default 10, measured in the README's table)")
+                        "distance, 0-24; default 12, measured in the README's table)")
     p.add_argument("--shard-size-mb", action=Renamed, new="--shard-size 500MB (bytes with a unit)")
 
 
@@ -127,7 +127,7 @@ def prep_options(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in PrepCfg.model_fields if getattr(args, k, None) is not None}
 
 
-def _prep_parser() -> argparse.ArgumentParser:
+def prep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vitp prep", description="Shard images into WebDataset tars.",
                                 epilog=PREP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="ImageFolder directory (root/<class>/<image>) or manifest file")
@@ -141,7 +141,7 @@ def _prep_parser() -> argparse.ArgumentParser:
 
 
 def prep_main(argv: list[str]) -> int:
-    args = _prep_parser().parse_args(argv)
+    args = prep_parser().parse_args(argv)
     from pipeline.config.prep import prep_cfg
 
     from .build import prep  # after parsing: `--help` stays instant

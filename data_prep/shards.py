@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline import faults
 from pipeline.files import atomic_write
 
-from .images import ImageOptions, Reject, init_worker, process_image
+from .images import NEAR_DUPLICATE, ImageOptions, Reject, init_worker, process_image
 from .progress import Progress
 from .tar import TarSink, tar_member
 
@@ -50,6 +50,16 @@ def shard_done(out: Path, name: str, plan_id: str) -> bool:
         return False
 
 
+# the test sets' index (data_prep/testsets.py) and its names, set before the workers fork (they inherit it)
+_NEAR: tuple | None = None
+
+
+def use_near(index, names: list[str] | None) -> None:
+    """Reject near-duplicates of these test images from now on (None: no more)."""
+    global _NEAR
+    _NEAR = (index, names) if index is not None else None
+
+
 def _work(task: tuple) -> list[tuple]:
     """Worker: a chunk of planned samples → results (ok or reject), same order."""
     root, opts, shard, start, samples = task
@@ -57,9 +67,15 @@ def _work(task: tuple) -> list[tuple]:
     for i, (key, rel, cls, label, *labels) in enumerate(samples, start):
         faults.hit("prep_sample", i, shard)
         try:
-            s = process_image(os.path.join(root, rel), opts)
+            s = process_image(os.path.join(root, rel), opts, signature=_NEAR is not None)
         except Reject as r:
             out.append(("reject", rel, r.reason, r.detail))
+            continue
+        match = _NEAR[0].nearest(s.phash) if _NEAR is not None else None
+        if match is not None:
+            out.append(("reject", rel, NEAR_DUPLICATE,
+                        f"near-duplicate of a test image: perceptual hashes {match.distance} bits apart",
+                        {"of": _NEAR[1][match.test], "distance": match.distance}))
             continue
         meta = {
             "key": key, "source": rel, "label": label, "cls": cls, "format": s.ext,
@@ -86,8 +102,8 @@ class _ShardWriter:
 
     def add(self, result: tuple) -> None:
         if result[0] == "reject":
-            _, rel, reason, detail = result
-            self.rejects.append({"path": rel, "reason": reason, "detail": detail})
+            _, rel, reason, detail, *extra = result
+            self.rejects.append({"path": rel, "reason": reason, "detail": detail, **(extra[0] if extra else {})})
             return
         self.offsets.append(self.tar.pos)
         self.tar.add_members(result[1])

@@ -31,7 +31,7 @@ DEFAULT_MAX_PIXELS = 89_478_485  # PIL's decompression-bomb limit
 DEFAULT_PART_SIZE = 64 * 2**20
 # Hamming distance between 64-bit perceptual hashes (bench/decontam.py measures it on real photographs:
 # the README's table): every transformed copy found, no unrelated photo matched
-DEFAULT_NEAR_THRESHOLD = 10
+DEFAULT_NEAR_THRESHOLD = 12
 HASH_BITS = 64
 MAX_NEAR_THRESHOLD = 24  # two random 64-bit hashes lie 32 +- 4 bits apart: beyond this, chance matches
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from data_prep.build import prep
-from data_prep.cli import _prep_parser, prep_options
+from data_prep.cli import prep_options
+from data_prep.cli import prep_parser as vitp_prep_parser
 from data_prep.plan import load_plan
 from launch.cli import main
 from launch.submit_args import prep_parser
@@ -46,7 +47,7 @@ EVERY = [
 
 
 def _through_prep(argv: list[str]) -> PrepCfg:
-    return prep_cfg(prep_options(_prep_parser().parse_args(["src", "out", *argv])))
+    return prep_cfg(prep_options(vitp_prep_parser().parse_args(["src", "out", *argv])))
 
 
 def _through_submit(argv: list[str]) -> PrepCfg:
@@ -54,7 +55,7 @@ def _through_submit(argv: list[str]) -> PrepCfg:
 
 
 def test_both_commands_have_the_same_options_and_defaults():
-    mine, theirs = _options(_prep_parser()), _options(prep_parser())
+    mine, theirs = _options(vitp_prep_parser()), _options(prep_parser())
     assert set(mine) - set(theirs) == PREP_ONLY
     assert set(theirs) - set(mine) == SUBMIT_ONLY
     shared = set(mine) & set(theirs)
@@ -63,7 +64,7 @@ def test_both_commands_have_the_same_options_and_defaults():
         assert (a.dest, a.default, a.type, a.nargs, type(a)) == (b.dest, b.default, b.type, b.nargs, type(b)), name
         assert a.help == b.help, name
     # every field of the schema is an option of both (its flag is the field's name), and nothing else
-    fields = {_options(_prep_parser())[s].dest for s in shared - HIDDEN}
+    fields = {_options(vitp_prep_parser())[s].dest for s in shared - HIDDEN}
     assert fields == set(PrepCfg.model_fields)
     assert {f for _, f, _ in EVERY} == set(PrepCfg.model_fields)
     # no option given: both give the schema's defaults

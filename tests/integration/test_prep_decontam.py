@@ -129,3 +129,28 @@ def test_bad_test_sets_are_one_line_before_any_work(sets, tmp_path):
         r = _vitp("prep", sets["train"], out, "--no-progress", *args)
         assert (r.returncode, r.stderr.strip()) == (2, line), r.stderr
         assert not out.exists()
+
+
+def test_test_sets_at_s3_and_http_addresses(sets, s3_bucket, http_folder, tmp_path):
+    """A folder in a bucket; over HTTP (where a folder cannot be listed) a prep output and a manifest."""
+    import boto3
+
+    bucket = s3_bucket.removeprefix("s3://")
+    s3 = boto3.client("s3")
+    s3.upload_file(str(sets["china"] / "china.jpg"), bucket, "tests/china/china.jpg")
+    prep(sets["train"], tmp_path / "o_s3", exclude_near=[f"{s3_bucket}/tests/china"], **KW)
+    rejects = _rejects(tmp_path / "o_s3")
+    assert [(r["path"], r["of"]) for r in rejects] == [("c0/china_copy.jpg", f"{s3_bucket}/tests/china/china.jpg")]
+
+    site = tmp_path / "site"
+    (site / "flower" / "b").mkdir(parents=True)
+    (sets["flower"] / "sub" / "flower.png").rename(site / "flower" / "b" / "flower.png")
+    (site / "flower" / "list.csv").write_text("path,label\nb/flower.png,b\n")
+    prep(site / "flower" / "list.csv", site / "flower_prep", split_column=None, **KW)
+    base = http_folder(site)
+    for test, of in ((f"{base}/flower_prep", f"{base}/flower_prep/"), (f"{base}/flower/list.csv",
+                                                                       f"{base}/flower/list.csv/b/flower.png")):
+        out = tmp_path / f"o_http{len(of)}"
+        prep(sets["train"], out, exclude_near=[test], **KW)
+        assert [r["path"] for r in _rejects(out)] == ["c1/flower_copy.png"]
+        assert _rejects(out)[0]["of"].startswith(of)

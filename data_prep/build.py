@@ -28,6 +28,7 @@ from pathlib import Path
 from pipeline.config.prep import DEFAULT_MAX_SAMPLES_PER_SHARD, PrepCfg, prep_cfg
 
 from . import store
+from .contact import write_sheet
 from .images import DEFAULT_MAX_BYTES, NEAR_DUPLICATE, ImageOptions
 from .plan import (
     load_plan,
@@ -123,6 +124,9 @@ def prep(
             written += write_shards(out, index["root"], opts, todo, plan_id, workers, progress)
         skipped += len(batch) - len(todo)
     info = finalize(out)
+    if info is not None and info.decontaminated and info.decontaminated["rejected"]:
+        rejects = [json.loads(line) for line in store.read_file(out, REJECTS_FILE).decode("utf-8").splitlines()]
+        write_sheet(out, index["root"], rejects, cfg.exclude_near, cfg.near_threshold)
     seconds = time.perf_counter() - t0
     n_written = sum(s["planned"] for s in written)
     return {

@@ -154,3 +154,23 @@ def test_test_sets_at_s3_and_http_addresses(sets, s3_bucket, http_folder, tmp_pa
         prep(sets["train"], out, exclude_near=[test], **KW)
         assert [r["path"] for r in _rejects(out)] == ["c1/flower_copy.png"]
         assert _rejects(out)[0]["of"].startswith(of)
+
+
+def test_contact_sheet_and_the_dataset_profile(sets, tmp_path):
+    """near_duplicates.png shows each dropped image beside its test image; a run's MLflow dataset
+    input carries the decontaminated block in its profile."""
+    from pipeline.data import dataset_inputs
+
+    out = tmp_path / "out"
+    prep(sets["train"], out, exclude_near=[str(sets["china"]), str(sets["flower"])], **KW)
+    sheet = Image.open(out / "near_duplicates.png")
+    assert sheet.height >= 2 * 112  # two rows
+    a = np.asarray(sheet.convert("RGB"))
+    right = a[20:132, 128:240]  # row 1's test image: a picture, not the grey square of a missing one
+    assert right.std() > 10
+    profile = json.loads(dataset_inputs(str(out), {"train": "training"})[0]["profile"])
+    assert profile["decontaminated"]["rejected"] == 2
+    assert [x["rejected"] for x in profile["decontaminated"]["against"]] == [1, 1]
+    prep(sets["train"], tmp_path / "plain", **KW)
+    assert not (tmp_path / "plain" / "near_duplicates.png").exists()
+    assert "decontaminated" not in json.loads(dataset_inputs(str(tmp_path / "plain"), {"train": "x"})[0]["profile"])

@@ -35,7 +35,6 @@ _FLAT = 16  # grey levels: a row or column spanning fewer is part of a frame
 CENTRE = 0.95
 _WORK = 128
 VARIANTS = 4  # hashes per test image (reference_hashes)
-_WEIGHTS = (1 << np.arange(63, -1, -1, dtype=np.uint64)).astype(np.uint64)
 
 
 def grey(a: np.ndarray) -> np.ndarray:
@@ -71,19 +70,18 @@ def _centre(g: np.ndarray, keep: float) -> np.ndarray:
 
 def _bits(d: np.ndarray) -> int:
     flat = d.ravel()
-    bits = (flat > np.median(flat[1:])).astype(np.uint64)
-    return int((bits * _WEIGHTS).sum())
+    median = np.partition(flat[1:], 31)[31]  # of the 63 AC terms: np.median's answer, at a tenth of its cost
+    return int.from_bytes(np.packbits(flat > median).tobytes(), "big")
 
 
 def _small_grey(a: np.ndarray) -> np.ndarray:
-    """a: [H, W(, 3)] -> grey, area-resized so its longer side is at most 128 px, its frame trimmed
-    (at this size, where JPEG noise on a flat frame is averaged away)."""
-    g = grey(a)
-    scale = _WORK / max(g.shape)
-    if scale < 1:
-        g = cv2.resize(g, (max(1, round(g.shape[1] * scale)), max(1, round(g.shape[0] * scale))),
-                       interpolation=cv2.INTER_AREA)
-    return trim(g)
+    """a: [H, W(, 3)] -> grey, area-reduced by a whole factor to a longer side of 128-255 px (OpenCV's
+    fast path: a fractional area resize costs 20x more), its frame trimmed at that size, where JPEG
+    noise on a flat frame is averaged away."""
+    f = max(a.shape[:2]) // _WORK
+    if f > 1:  # before the grey conversion: it then converts f^2 times fewer pixels
+        a = cv2.resize(a, None, fx=1 / f, fy=1 / f, interpolation=cv2.INTER_AREA)
+    return trim(grey(a))
 
 
 def phash(a: np.ndarray) -> int:

@@ -341,7 +341,10 @@ def _prep_calls(args, cfg) -> tuple[list, list[StageJob]]:
 
     if not Path(args.source).exists():
         raise SubmitError(f"source: {args.source} not found")
-    cfg.prep = prep_cfg(prep_options(args))  # the same schema, names and defaults as `vitp prep`
+    opts = prep_options(args)  # the same schema, names and defaults as `vitp prep`
+    # the tasks run elsewhere: a local test set by its absolute path, as the source and OUT
+    opts["exclude_near"] = [a if "://" in a else str(Path(a).resolve()) for a in opts.get("exclude_near", [])]
+    cfg.prep = prep_cfg(opts)
     # The plan is written here, once: every task then reads the same deterministic shard list.
     total = prep(args.source, args.out, cfg.prep, shard_range=(0, 0), progress=False)["shards_total"]
     ranges = split_shards(total, args.tasks)

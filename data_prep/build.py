@@ -25,12 +25,15 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
+from pipeline.config.prep import DEFAULT_MAX_SAMPLES_PER_SHARD, PrepCfg, prep_cfg
+
 from . import store
-from .images import DEFAULT_MAX_BYTES, DEFAULT_MAX_PIXELS, ImageOptions
+from .contact import write_sheet
+from .images import DEFAULT_MAX_BYTES, NEAR_DUPLICATE, ImageOptions
 from .plan import (
     load_plan,
     make_plan,
-    plan_id,
+    plan_digest,
     plan_rejects,
     plan_request,
     planned_batches,
@@ -39,12 +42,13 @@ from .plan import (
     write_or_check_plan,
 )
 from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards
-from .shards import shard_done, write_shards
+from .shards import shard_done, use_near, write_shards
 from .sources import open_source
+from .testsets import build_index, check_test_sets, read_index, write_index
 from .upload import complete_shards, write_to_store
 
 REJECTS_FILE = "rejects.jsonl"
-DEFAULT_MAX_SAMPLES_PER_SHARD = 5000
+__all__ = ["DEFAULT_MAX_SAMPLES_PER_SHARD", "REJECTS_FILE", "finalize", "prep"]
 
 
 def _json_bytes(obj) -> bytes:
@@ -54,61 +58,54 @@ def _json_bytes(obj) -> bytes:
 def prep(
     source: str | os.PathLike,
     out: str | os.PathLike,
+    cfg: PrepCfg | None = None,
     *,
-    seed: int = 0,
-    val_fraction: float = 0.0,
-    split_column: str | None = None,
-    path_column: str = "path",
-    label_column: str = "label",
-    labels_column: str = "labels",
-    classes: str | os.PathLike | list[str] | None = None,
-    shard_size_bytes: int | None = None,
-    max_samples_per_shard: int | None = DEFAULT_MAX_SAMPLES_PER_SHARD,
-    resize_shorter: int | None = None,
-    resize_longer: int | None = None,
-    quality: int = 90,
-    min_size: int = 16,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    keep_original: bool = True,
-    dedup: bool = False,
-    workers: int = 1,
     shard_range: tuple[int, int] | None = None,
     progress: bool = True,
-    staging: str | os.PathLike | None = None,
-    part_size: int = store.DEFAULT_PART_SIZE,
+    **options,
 ) -> dict:
     """Shard `source` (ImageFolder dir or CSV/JSONL/Parquet manifest) into WebDataset tars under `out`,
     a folder or an object store prefix (``s3://bucket/prefix``, ``gs://...``: see data_prep/upload.py;
-    `staging` is the local folder where shards wait for their upload, `part_size` the multipart part).
+    `cfg.staging_dir` is the local folder where shards wait for their upload, `cfg.part_size` the
+    multipart part).
 
+    `cfg` is prep's one schema (pipeline.config.PrepCfg, what `vitp prep` parses into); `options`, its
+    fields by name, replace the cfg's (``prep(src, out, max_samples_per_shard=8)``).
     `shard_range=(start, stop)` writes only those planned shards (indices into the plan's shard list,
     all splits in order), for SLURM array tasks; `(0, 0)` only writes the plan and reports
     `shards_total`. Complete shards are skipped, so rerunning after a crash resumes.
     Returns a summary dict (see the keys at the end).
     """
+    cfg = prep_cfg({**(cfg.model_dump() if cfg is not None else {}), **options})
     t0 = time.perf_counter()
     remote = store.is_remote(out)
     if remote:
         store.check_writable(out, "OUT")  # before listing a single image
-        if part_size < store.MIN_PART_SIZE:
-            raise ValueError(f"part_size={part_size}: object stores take parts of at least {store.MIN_PART_SIZE}")
+        if cfg.part_size < store.MIN_PART_SIZE:
+            raise ValueError(f"--part-size {cfg.part_size}: object stores take parts of at least {store.MIN_PART_SIZE}")
         out = str(out).rstrip("/")
     else:
         out = Path(out)
+    opts = ImageOptions(cfg.resize_shorter, cfg.resize_longer, cfg.quality, cfg.min_size, cfg.max_pixels,
+                        DEFAULT_MAX_BYTES, cfg.keep_original)
+    workers = cfg.workers
+    kwargs = dict(seed=cfg.seed, val_fraction=cfg.val_fraction, max_samples_per_shard=cfg.samples_cap,
+                  shard_size_bytes=cfg.shard_size, image_options=opts.as_dict(), do_dedup=cfg.dedup)
+    listing_args = (source, cfg.classes, cfg.path_column, cfg.label_column, cfg.split_column, cfg.labels_column)
+    array_task = shard_range not in (None, (0, 0))
+    near = _test_sets(out, cfg, array_task)  # a missing or empty test set: one line, before OUT is made
+    if not remote:
         out.mkdir(parents=True, exist_ok=True)
-    opts = ImageOptions(resize_shorter, resize_longer, quality, min_size, max_pixels, max_bytes, keep_original)
-    if workers < 1:
-        raise ValueError(f"workers={workers}: must be >= 1")
-    kwargs = dict(seed=seed, val_fraction=val_fraction, max_samples_per_shard=max_samples_per_shard,
-                  shard_size_bytes=shard_size_bytes, image_options=opts.as_dict(), do_dedup=dedup)
-    listing_args = (source, classes, path_column, label_column, split_column, labels_column)
     # an array task (a shard range) reuses the plan its submitter stored for this very request, and
     # so never lists the source; a whole run, or the submitter (0:0), plans and checks it against OUT's
-    index = reusable_plan(out, plan_request(*listing_args, **kwargs)) if shard_range not in (None, (0, 0)) else None
+    request = {**plan_request(*listing_args, **kwargs), **({"decontaminated": near[2]} if near else {})}
+    index = reusable_plan(out, request) if array_task else None
     if index is None:
-        index = _plan(out, listing_args, kwargs, workers)
-    pid = plan_id(index)
+        index = _plan(out, listing_args, kwargs, workers, near)
+        if near:  # once the plan is OUT's: what every worker and array task of it reads
+            write_index(out, *near)
+    plan_id = plan_digest(index)
+    use_near(*(near[:2] if near else (None, None)))
     store.write_file(out, CLASSES_FILE, _json_bytes(index["classes"]))
 
     n_shards = len(shard_names(index))
@@ -118,19 +115,23 @@ def prep(
     written, skipped = [], 0
     for batch in planned_batches(out, index, start, stop):  # a plan piece at a time: memory stays a piece's
         if remote:
-            done = complete_shards(out, batch, pid)
+            done = complete_shards(out, batch, plan_id)
             todo = [s for s in batch if s["name"] not in done]
-            written += write_to_store(out, index["root"], opts, todo, pid, workers, progress, staging, part_size)
+            written += write_to_store(out, index["root"], opts, todo, plan_id, workers, progress, cfg.staging_dir,
+                                      cfg.part_size)
         else:
-            todo = [s for s in batch if not shard_done(out, s["name"], pid)]
-            written += write_shards(out, index["root"], opts, todo, pid, workers, progress)
+            todo = [s for s in batch if not shard_done(out, s["name"], plan_id)]
+            written += write_shards(out, index["root"], opts, todo, plan_id, workers, progress)
         skipped += len(batch) - len(todo)
     info = finalize(out)
+    if info is not None and info.decontaminated and info.decontaminated["rejected"]:
+        rejects = [json.loads(line) for line in store.read_file(out, REJECTS_FILE).decode("utf-8").splitlines()]
+        write_sheet(out, index["root"], rejects, cfg.exclude_near, cfg.near_threshold)
     seconds = time.perf_counter() - t0
     n_written = sum(s["planned"] for s in written)
     return {
         "out": store.public(out),
-        "plan_id": pid,
+        "plan_id": plan_id,
         "num_inputs": index["num_inputs"],
         "shards_total": n_shards,
         "shards_written": len(written),
@@ -141,15 +142,37 @@ def prep(
         "num_samples": {k: v.num_samples for k, v in info.splits.items()} if info else None,
         "num_rejects": info.num_rejects if info else None,
         "rejects_by_reason": info.rejects_by_reason if info else None,
+        **({"decontaminated": info.decontaminated} if info and info.decontaminated else {}),
         "seconds": round(seconds, 3),
         "images_per_s": round(n_written / seconds, 2) if seconds > 0 else 0.0,
     }
 
 
-def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int) -> dict:
+def _test_sets(out, cfg: PrepCfg, array_task: bool) -> tuple | None:
+    """--exclude-near: the test sets' index, built here once (a whole run, or the submitter of an array)
+    and stored under OUT, or, in an array task, the one its submitter stored there."""
+    if not cfg.exclude_near:
+        use_near(None, None)
+        return None
+    settings = {"addresses": [store.public(a) for a in cfg.exclude_near], "splits": cfg.exclude_near_splits,
+                "threshold": cfg.near_threshold}
+    if array_task:
+        stored = read_index(out)
+        if stored is not None and _settings(stored[2]) == settings:
+            return stored
+    check_test_sets(cfg.exclude_near)
+    return build_index(cfg.exclude_near, cfg.exclude_near_splits, cfg.near_threshold)
+
+
+def _settings(block: dict) -> dict:
+    return {"addresses": [a["address"] for a in block["against"]], "splits": block["splits"],
+            "threshold": block["threshold"]}
+
+
+def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int, near: tuple | None) -> dict:
     """List and plan the source in bounded memory (spilling to a temporary folder), store the plan in OUT."""
     listing = open_source(*listing_args, sizes=bool(kwargs["shard_size_bytes"]))
-    request = plan_request(*listing_args, **kwargs)
+    request = {**plan_request(*listing_args, **kwargs), **({"decontaminated": near[2]} if near else {})}
     with tempfile.TemporaryDirectory(prefix="vitp-plan-") as scratch:
         if kwargs["do_dedup"] and workers > 1:
             with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
@@ -157,8 +180,19 @@ def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int) -> dict:
                                   request=request, **kwargs)
         else:
             index = make_plan(listing, scratch, request=request, **kwargs)
+        if near:  # in the index, so in the plan id: other test sets or another threshold remake the shards
+            index["decontaminated"] = near[2]
         write_or_check_plan(out, index, scratch)
     return index
+
+
+def _decontaminated(block: dict | None, rejects: list[dict]) -> dict | None:
+    """The plan's decontaminated block with its counts: rejected per test set and in all."""
+    if block is None:
+        return None
+    near = [r["of"] for r in rejects if r["reason"] == NEAR_DUPLICATE]
+    against = [{**a, "rejected": sum(o.startswith(a["address"] + "/") for o in near)} for a in block["against"]]
+    return {**block, "against": against, "rejected": len(near)}
 
 
 def finalize(out: str | os.PathLike) -> DatasetInfo | None:
@@ -168,9 +202,9 @@ def finalize(out: str | os.PathLike) -> DatasetInfo | None:
     renames in a folder, single PUTs in an object store).
     """
     index = load_plan(out)
-    pid = plan_id(index)
+    plan_id = plan_digest(index)
     names = shard_names(index)
-    done = complete_shards(out, [{"name": name} for name, _ in names], pid, all_or_none=True)
+    done = complete_shards(out, [{"name": name} for name, _ in names], plan_id, all_or_none=True)
     if len(done) < len(names):
         return None
     stats = [done[name] for name, _ in names]
@@ -187,9 +221,10 @@ def finalize(out: str | os.PathLike) -> DatasetInfo | None:
     # no timings here, so a rerun gives the same bytes
     info = DatasetInfo(
         splits, num_classes=len(index["classes"]), classes=tuple(index["classes"]),
-        multi_label=bool(index.get("multi_label")), plan_id=pid, num_inputs=index["num_inputs"],
+        multi_label=bool(index.get("multi_label")), plan_id=plan_id, num_inputs=index["num_inputs"],
         num_rejects=len(rejects), rejects_by_reason=dict(sorted(by_reason.items())), seed=index["seed"],
-        image_options=index["image_options"], format_version=FORMAT_VERSION, digest=pid,
+        image_options=index["image_options"], format_version=FORMAT_VERSION, digest=plan_id,
+        decontaminated=_decontaminated(index.get("decontaminated"), rejects),
     )
     lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
     store.write_file(out, REJECTS_FILE, lines.encode("utf-8"))

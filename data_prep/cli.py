@@ -16,6 +16,7 @@ examples:
   vitp prep data/labels.csv out/ds --split-column split --shard-size 500MB
   vitp prep data/imagenet/train out/in1k --resize-shorter 256 --shard-range 0:16   # one SLURM array task
   vitp prep data/imagenet/train s3://bucket/in1k --resize-shorter 256 --workers 8  # into an object store
+  vitp prep data/web out/web --exclude-near data/imagenet/val --exclude-near s3://bucket/cifar10  # decontaminated
 
 A manifest (.csv/.jsonl/.parquet) has a path column (relative to the manifest) and a label column
 (class names or integer indices), or a labels column for multi-label data (`3;17;42`, a JSON list,
@@ -62,65 +63,93 @@ def parse_range(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def _prep_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="vitp prep", description="Shard images into WebDataset tars.",
-                                epilog=PREP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source", help="ImageFolder directory (root/<class>/<image>) or manifest file")
-    p.add_argument("out", help="output directory, or s3://bucket/prefix, gs://bucket/prefix")
-    p.add_argument("--seed", type=int, default=0, help="global shuffle seed (default 0)")
-    p.add_argument("--val-fraction", type=float, default=0.0, help="stratified val split fraction, e.g. 0.01")
+class Renamed(argparse.Action):
+    """An old spelling of an option: refused with one line naming the new one."""
+
+    def __init__(self, option_strings, dest, new: str = "", **kw):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kw)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise ValueError(f"{option_string}: renamed; use {self.new}")
+
+
+# every option both `vitp prep` and `vitp submit prep` take (field of pipeline.config.PrepCfg -> --field-name)
+def add_prep_options(p: argparse.ArgumentParser) -> None:
+    """The options of pipeline.config.PrepCfg, the same on both commands; defaults None where the schema
+    holds the default (so one place says it)."""
+    p.add_argument("--seed", type=int, help="global shuffle seed (default 0)")
+    p.add_argument("--val-fraction", type=float, help="stratified val split fraction, e.g. 0.01 (default 0)")
     p.add_argument("--split-column", help="manifest column naming each row's split (instead of --val-fraction)")
-    p.add_argument("--path-column", default="path", help="manifest path column (default path)")
-    p.add_argument("--label-column", default="label", help="manifest label column (default label)")
-    p.add_argument("--labels-column", default="labels",
+    p.add_argument("--path-column", help="manifest path column (default path)")
+    p.add_argument("--label-column", help="manifest label column (default label)")
+    p.add_argument("--labels-column",
                    help="manifest column of several labels per image; its presence makes the data multi-label "
                         "(default labels)")
     p.add_argument("--classes", help="class names in index order: .json list or text file, one per line "
                                      "(default: sorted names)")
     p.add_argument("--shard-size", type=parse_size, help="max source bytes per shard, e.g. 500MB")
-    p.add_argument("--max-samples-per-shard", type=int, default=None,
+    p.add_argument("--max-samples-per-shard", type=int,
                    help="max samples per shard (default 5000 unless --shard-size is given)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resize-shorter", type=int, help="shrink so the shorter side is N (never enlarges)")
     g.add_argument("--resize-longer", type=int, help="shrink so the longer side is N (never enlarges)")
-    p.add_argument("--quality", type=int, default=90, help="JPEG quality of re-encoded images (default 90)")
-    p.add_argument("--min-size", type=int, default=16, help="reject images with a side below N px (default 16)")
-    p.add_argument("--max-pixels", type=int, default=89_478_485,
+    p.add_argument("--quality", type=int, help="JPEG quality of re-encoded images, 1-100 (default 90)")
+    p.add_argument("--min-size", type=int, help="reject images with a side below N px (default 16)")
+    p.add_argument("--max-pixels", type=int,
                    help="reject larger images before decoding (decompression bombs; default 89478485)")
-    p.add_argument("--no-keep-original", dest="keep_original", action="store_false",
+    p.add_argument("--no-keep-original", dest="keep_original", action="store_false", default=None,
                    help="always re-encode as JPEG (default: keep RGB JPEG/PNG/WebP bytes that need no change)")
-    p.add_argument("--dedup", action="store_true", help="reject files whose bytes equal an earlier file's")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--dedup", action="store_true", default=None,
+                   help="reject files whose bytes equal an earlier file's")
+    p.add_argument("--workers", type=int, help="worker processes (default 1)")
+    p.add_argument("--staging-dir", help="OUT in an object store: local folder where finished shards wait for "
+                                         "their upload, a few at a time (default: the system temp folder)")
+    p.add_argument("--part-size", type=parse_part_size,
+                   help="OUT in an object store: multipart upload part size, at least 5MiB (default 64MiB)")
+    p.add_argument("--exclude-near", action="append", metavar="TEST",
+                   help="a downstream test set (image folder, manifest, or a `vitp prep` output; any address): "
+                        "training images that are near-duplicates of its images are not written (rejects.jsonl: "
+                        "near_duplicate); repeatable")
+    p.add_argument("--exclude-near-splits", metavar="SPLITS",
+                   help="of a prep output given to --exclude-near, these splits, e.g. test,val "
+                        "(default: its test split if it has one, else every split)")
+    p.add_argument("--near-threshold", type=int, metavar="D",
+                   help="near-duplicate: at most D of the 64 bits of the perceptual hash differ (Hamming "
+                        "distance, 0-24; default 12, measured in the README's table)")
+    p.add_argument("--shard-size-mb", action=Renamed, new="--shard-size 500MB (bytes with a unit)")
+
+
+def prep_options(args: argparse.Namespace) -> dict:
+    """The PrepCfg fields the command line gave (the schema fills in the rest)."""
+    from pipeline.config.prep import PrepCfg
+
+    return {k: getattr(args, k) for k in PrepCfg.model_fields if getattr(args, k, None) is not None}
+
+
+def prep_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vitp prep", description="Shard images into WebDataset tars.",
+                                epilog=PREP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="ImageFolder directory (root/<class>/<image>) or manifest file")
+    p.add_argument("out", help="output directory, or s3://bucket/prefix, gs://bucket/prefix")
+    add_prep_options(p)
     p.add_argument("--shard-range", type=parse_range,
                    help="only these planned shards, START:STOP (job arrays; 0:0 only plans); a task reuses "
                         "OUT's plan when it was made for the same source and options")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line on stderr")
-    p.add_argument("--staging-dir", help="OUT in an object store: local folder where finished shards wait for "
-                                         "their upload, a few at a time (default: the system temp folder)")
-    p.add_argument("--part-size", type=parse_part_size, default="64MiB",
-                   help="OUT in an object store: multipart upload part size, at least 5MiB (default 64MiB)")
     return p
 
 
 def prep_main(argv: list[str]) -> int:
-    args = _prep_parser().parse_args(argv)
-    from .build import DEFAULT_MAX_SAMPLES_PER_SHARD, prep  # after parsing: `--help` stays instant
+    args = prep_parser().parse_args(argv)
+    from pipeline.config.prep import prep_cfg
 
-    max_samples = args.max_samples_per_shard
-    if max_samples is None and args.shard_size is None:
-        max_samples = DEFAULT_MAX_SAMPLES_PER_SHARD
+    from .build import prep  # after parsing: `--help` stays instant
+
     # a mistake in the input is a ValueError/FileNotFoundError (exit 2), a dead worker shards.WorkerDied
     # (exit 1): `vitp`'s one error path (launch/cli.py) prints either as one line
-    summary = prep(
-        args.source, args.out, seed=args.seed, val_fraction=args.val_fraction, split_column=args.split_column,
-        path_column=args.path_column, label_column=args.label_column,
-        labels_column=args.labels_column, classes=args.classes,
-        shard_size_bytes=args.shard_size, max_samples_per_shard=max_samples,
-        resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
-        min_size=args.min_size, max_pixels=args.max_pixels, keep_original=args.keep_original,
-        dedup=args.dedup, workers=args.workers, shard_range=args.shard_range, progress=args.progress,
-        staging=args.staging_dir, part_size=args.part_size,
-    )
+    cfg = prep_cfg(prep_options(args))
+    summary = prep(args.source, args.out, cfg, shard_range=args.shard_range, progress=args.progress)
     print(json.dumps(summary, indent=1))
     return 0
 

@@ -21,10 +21,13 @@ import numpy as np
 import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
+from .near import phash
+
 # Reject reasons (the `reason` field of rejects.jsonl).
 EMPTY, NOT_IMAGE, TRUNCATED, DECODE_ERROR = "empty", "not_image", "truncated", "decode_error"
 TOO_SMALL, TOO_LARGE = "too_small", "too_large"
 UNREADABLE, MISSING, SYMLINK_LOOP = "unreadable", "missing", "symlink_loop"
+NEAR_DUPLICATE = "near_duplicate"  # of a test image (`vitp prep --exclude-near`; data_prep/near.py)
 
 # PIL's own default limit: larger images are almost always decompression bombs.
 DEFAULT_MAX_PIXELS = 89_478_485
@@ -70,6 +73,7 @@ class Stored:
     width: int
     height: int
     sha256: str
+    phash: int | None = None  # data_prep/near.py's hash of the stored pixels, when asked for
 
 
 def target_size(w: int, h: int, opts: ImageOptions) -> tuple[int, int]:
@@ -264,8 +268,10 @@ def _pil_header(data: bytes) -> _Header:
                    bool(exif), keepable, im)
 
 
-def process_image(path: str, opts: ImageOptions) -> Stored:
-    """Read, check and re-encode one image file. Raises Reject (only) for bad inputs."""
+def process_image(path: str, opts: ImageOptions, signature: bool = False) -> Stored:
+    """Read, check and re-encode one image file. Raises Reject (only) for bad inputs. ``signature``:
+    also hash the final, oriented pixels (a kept JPEG is decoded anyway, a kept PNG/WebP is loaded:
+    the hash costs a grey conversion and a resize, not a decode)."""
     data = read_bytes(path, opts.max_bytes)
     if not data:
         raise Reject(EMPTY, "0 bytes")
@@ -291,12 +297,14 @@ def process_image(path: str, opts: ImageOptions) -> Stored:
     except Exception as e:  # a kept file must decode completely too
         raise _decode_error(e) from None
     if keep:
-        return Stored(data, _KEEPABLE[hd.format], w, h, w, h, hashlib.sha256(data).hexdigest())
+        sig = phash(a if a is not None else to_rgb_array(hd.im)) if signature else None
+        return Stored(data, _KEEPABLE[hd.format], w, h, w, h, hashlib.sha256(data).hexdigest(), sig)
     # resize before rotating: the same pixels (both filters are separable and symmetric, so they
     # commute with flips and transposes), fewer of them to move
     a = orient(resize_region(a, n, (0, 0, w, h), (rw, rh)), orientation)
     out = encode_jpeg(a, opts.quality)
-    return Stored(out, "jpg", w, h, a.shape[1], a.shape[0], hashlib.sha256(out).hexdigest())
+    return Stored(out, "jpg", w, h, a.shape[1], a.shape[0], hashlib.sha256(out).hexdigest(),
+                  phash(a) if signature else None)
 
 
 def encode_jpeg(a: np.ndarray, quality: int) -> bytes:

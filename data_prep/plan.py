@@ -343,7 +343,7 @@ def plan_bytes(index: dict) -> bytes:
     return json.dumps(index, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def plan_id(index: dict) -> str:
+def plan_digest(index: dict) -> str:
     """The plan's identity: a hash of the index (which holds every piece's sha256), less the request."""
     return hashlib.sha256(plan_bytes({k: v for k, v in index.items() if k != "request"})).hexdigest()[:16]
 
@@ -359,12 +359,22 @@ def _stored_index(out) -> dict | None:
     return index if isinstance(index, dict) else {}
 
 
+def _but_decontaminated(index: dict) -> str:
+    return plan_digest({k: v for k, v in index.items() if k != "decontaminated"})
+
+
 def write_or_check_plan(out: str | os.PathLike, index: dict, scratch: str) -> str:
     """Store the plan (its pieces first, the index last); if OUT already holds a different one, refuse
     before writing anything, rather than mix two datasets."""
-    pid = plan_id(index)
+    plan_id = plan_digest(index)
     old = _stored_index(out)
-    if old is not None and (old.get("version") != PLAN_VERSION or plan_id(old) != pid):
+    if old is not None and old.get("version") == PLAN_VERSION and plan_digest(old) != plan_id \
+            and _but_decontaminated(old) == _but_decontaminated(index):
+        # other test sets or another threshold (`--exclude-near`): the same inputs, other shards. The
+        # shards' stats name the old plan, so each is remade; _info.json goes first, as it no longer holds
+        store.remove(store.join(out, "_info.json"))
+        old = None
+    if old is not None and (old.get("version") != PLAN_VERSION or plan_digest(old) != plan_id):
         raise ValueError(
             f"{_where(out)}: OUT already holds shards of a different plan (other inputs, seed or options); "
             "use a new output directory or delete it"
@@ -375,7 +385,7 @@ def write_or_check_plan(out: str | os.PathLike, index: dict, scratch: str) -> st
             write_piece(out, name, Path(scratch, name).read_bytes())
     if old is None or old.get("request") != index.get("request"):  # same plan: a task may now reuse it
         write_piece(out, PLAN_FILE, plan_bytes(index))
-    return pid
+    return plan_id
 
 
 def load_plan(out: str | os.PathLike) -> dict:

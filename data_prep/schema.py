@@ -72,6 +72,9 @@ class DatasetInfo:
     seed: int | None = None
     image_options: dict | None = None
     format_version: int | None = None
+    # `vitp prep --exclude-near`: {"signature", "version", "threshold", "splits", "against": [{"address",
+    # "images", "digest", "rejected"}], "rejected"}
+    decontaminated: dict | None = None
     digest: str = field(default="", compare=False)
 
     # ── writing ──
@@ -80,7 +83,7 @@ class DatasetInfo:
         if self.classes is not None:
             out["classes"] = list(self.classes)
         for key in ("format_version", "plan_id", "num_classes", "num_inputs", "num_rejects", "rejects_by_reason",
-                    "seed", "image_options"):
+                    "seed", "image_options", "decontaminated"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         out["multi_label"] = self.multi_label
@@ -121,7 +124,8 @@ class DatasetInfo:
                    num_rejects=c.opt_count(raw, "num_rejects"), rejects_by_reason=by_reason,
                    seed=c.opt(raw, "seed", int, "an integer"),
                    image_options=c.opt(raw, "image_options", dict, "an object"),
-                   format_version=c.opt_count(raw, "format_version"))
+                   format_version=c.opt_count(raw, "format_version"),
+                   decontaminated=c.opt(raw, "decontaminated", dict, "an object"))
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> DatasetInfo:

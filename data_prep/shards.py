@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline import faults
 from pipeline.files import atomic_write
 
-from .images import ImageOptions, Reject, init_worker, process_image
+from .images import NEAR_DUPLICATE, ImageOptions, Reject, init_worker, process_image
 from .progress import Progress
 from .tar import TarSink, tar_member
 
@@ -39,15 +39,25 @@ def stats_path(out: Path, name: str) -> Path:
     return out / f"{name}_stats.json"
 
 
-def shard_done(out: Path, name: str, pid: str) -> bool:
+def shard_done(out: Path, name: str, plan_id: str) -> bool:
     """Complete = tar present and stats (written last) present and from the same plan."""
     sp = stats_path(out, name)
     if not (sp.exists() and (out / f"{name}.tar").exists()):
         return False
     try:
-        return json.loads(sp.read_text(encoding="utf-8")).get("plan_id") == pid
+        return json.loads(sp.read_text(encoding="utf-8")).get("plan_id") == plan_id
     except (OSError, ValueError):
         return False
+
+
+# the test sets' index (data_prep/testsets.py) and its names, set before the workers fork (they inherit it)
+_NEAR: tuple | None = None
+
+
+def use_near(index, names: list[str] | None) -> None:
+    """Reject near-duplicates of these test images from now on (None: no more)."""
+    global _NEAR
+    _NEAR = (index, names) if index is not None else None
 
 
 def _work(task: tuple) -> list[tuple]:
@@ -57,9 +67,15 @@ def _work(task: tuple) -> list[tuple]:
     for i, (key, rel, cls, label, *labels) in enumerate(samples, start):
         faults.hit("prep_sample", i, shard)
         try:
-            s = process_image(os.path.join(root, rel), opts)
+            s = process_image(os.path.join(root, rel), opts, signature=_NEAR is not None)
         except Reject as r:
             out.append(("reject", rel, r.reason, r.detail))
+            continue
+        match = _NEAR[0].nearest(s.phash) if _NEAR is not None else None
+        if match is not None:
+            out.append(("reject", rel, NEAR_DUPLICATE,
+                        f"near-duplicate of a test image: perceptual hashes {match.distance} bits apart",
+                        {"of": _NEAR[1][match.test], "distance": match.distance}))
             continue
         meta = {
             "key": key, "source": rel, "label": label, "cls": cls, "format": s.ext,
@@ -76,8 +92,8 @@ def _work(task: tuple) -> list[tuple]:
 
 
 class _ShardWriter:
-    def __init__(self, out: Path, shard: dict, pid: str):
-        self.out, self.name, self.pid = out, shard["name"], pid
+    def __init__(self, out: Path, shard: dict, plan_id: str):
+        self.out, self.name, self.plan_id = out, shard["name"], plan_id
         self.planned = len(shard["samples"])
         self.tmp = out / f"{self.name}.tar.partial"
         self.tar = TarSink(self.tmp)
@@ -86,8 +102,8 @@ class _ShardWriter:
 
     def add(self, result: tuple) -> None:
         if result[0] == "reject":
-            _, rel, reason, detail = result
-            self.rejects.append({"path": rel, "reason": reason, "detail": detail})
+            _, rel, reason, detail, *extra = result
+            self.rejects.append({"path": rel, "reason": reason, "detail": detail, **(extra[0] if extra else {})})
             return
         self.offsets.append(self.tar.pos)
         self.tar.add_members(result[1])
@@ -101,7 +117,7 @@ class _ShardWriter:
         for r in self.rejects:
             by_reason[r["reason"]] = by_reason.get(r["reason"], 0) + 1
         stats = {
-            "shard": f"{self.name}.tar", "plan_id": self.pid, "planned": self.planned, "count": self.count,
+            "shard": f"{self.name}.tar", "plan_id": self.plan_id, "planned": self.planned, "count": self.count,
             "bytes": final.stat().st_size, "sha256": self.tar.sha256,
             "rejects": dict(sorted(by_reason.items())), "rejected": self.rejects,
             "seconds": round(time.perf_counter() - self.t0, 3), "offsets": self.offsets,
@@ -143,7 +159,7 @@ def _results(root: str, opts: ImageOptions, shards: list[dict], workers: int) ->
             yield si0, last0, fut.result()
 
 
-def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], pid: str, workers: int,
+def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], plan_id: str, workers: int,
                  progress: bool, on_done: Callable[[dict], None] | None = None) -> list[dict]:
     """Write the given planned shards (none of them complete yet); returns their stats. ``on_done(stats)``
     runs as each shard is complete (prep to an object store uploads it then)."""
@@ -156,7 +172,7 @@ def write_shards(out: Path, root: str, opts: ImageOptions, shards: list[dict], p
     try:
         for si, last, results in _results(root, opts, shards, workers):
             if writer is None:
-                writer, cur = _ShardWriter(out, shards[si], pid), si
+                writer, cur = _ShardWriter(out, shards[si], plan_id), si
             for r in results:
                 writer.add(r)
             bar.update(len(results), sum(r[0] == "reject" for r in results))

@@ -39,14 +39,14 @@ def default_staging() -> str:
     return os.path.join(tempfile.gettempdir(), "vitp-prep-staging")
 
 
-def complete_shards(out: str | os.PathLike, shards: list[dict], pid: str, *, all_or_none: bool = False
+def complete_shards(out: str | os.PathLike, shards: list[dict], plan_id: str, *, all_or_none: bool = False
                     ) -> dict[str, dict]:
     """{name: stats} of those planned ``shards`` that are complete in OUT (a folder or a prefix).
     ``all_or_none`` (finalize): {} as soon as one is not, before reading any stats."""
     if not store.is_remote(out):
         folder, done = Path(out), {}
         for s in shards:
-            if shard_done(folder, s["name"], pid):
+            if shard_done(folder, s["name"], plan_id):
                 done[s["name"]] = json.loads(stats_path(folder, s["name"]).read_text(encoding="utf-8"))
             elif all_or_none:
                 return {}
@@ -62,12 +62,12 @@ def complete_shards(out: str | os.PathLike, shards: list[dict], pid: str, *, all
             st = json.loads(stats[f"{n}_stats.json"] or b"null")
         except ValueError:  # not JSON: not ours, make the shard again
             continue
-        if isinstance(st, dict) and st.get("plan_id") == pid and st.get("bytes") == sizes[f"{n}.tar"]:
+        if isinstance(st, dict) and st.get("plan_id") == plan_id and st.get("bytes") == sizes[f"{n}.tar"]:
             done[n] = st
     return {} if all_or_none and len(done) < len(shards) else done
 
 
-def write_to_store(out: str, root: str, opts: ImageOptions, shards: list[dict], pid: str, workers: int,
+def write_to_store(out: str, root: str, opts: ImageOptions, shards: list[dict], plan_id: str, workers: int,
                    progress: bool, staging: str | os.PathLike | None = None,
                    part_size: int = store.DEFAULT_PART_SIZE) -> list[dict]:
     """Make ``shards`` in a fresh folder under ``staging`` and upload each when complete; returns their
@@ -77,7 +77,7 @@ def write_to_store(out: str, root: str, opts: ImageOptions, shards: list[dict], 
     folder = Path(tempfile.mkdtemp(prefix="vitp-prep-", dir=base))  # own folder: array tasks share a node
     try:
         with _Uploader(folder, out, part_size) as up:
-            return write_shards(folder, root, opts, shards, pid, workers, progress, on_done=up.submit)
+            return write_shards(folder, root, opts, shards, plan_id, workers, progress, on_done=up.submit)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

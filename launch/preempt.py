@@ -222,13 +222,13 @@ def resolve_target(target: str):
     return getattr(importlib.import_module(module), func)
 
 
-def run_prep(cfg, *, source: str, out: str, shard_ranges: list, prep_kwargs: dict, task: int = 0) -> dict:
-    """One array task of `vitp submit prep`: its range of the plan's shards; the last one to finish
-    writes _info.json (prep() finalizes when every shard is complete)."""
+def run_prep(cfg, *, source: str, out: str, shard_ranges: list, task: int = 0) -> dict:
+    """One array task of `vitp submit prep`: its range of the plan's shards (prep's options: ``cfg.prep``);
+    the last one to finish writes _info.json (prep() finalizes when every shard is complete)."""
     from data_prep import prep
 
     a, b = shard_ranges[task]
-    summary = prep(source, out, shard_range=(a, b), progress=False, **prep_kwargs)
+    summary = prep(source, out, cfg.prep, shard_range=(a, b), progress=False)
     return {"status": "completed", "task": task, "shard_range": [a, b],
             **{k: v for k, v in summary.items() if k in ("shards_written", "shards_skipped", "complete")}}
 

@@ -339,19 +339,20 @@ def run_preflight(cfg, cluster: str, opts: dict | None = None) -> int:
 
 def _prep_calls(args, cfg) -> tuple[list, list[StageJob]]:
     from data_prep import prep
+    from data_prep.cli import prep_options
+    from pipeline.config import prep_cfg
 
     if not Path(args.source).exists():
         raise SubmitError(f"source: {args.source} not found")
-    kw = dict(seed=args.seed, val_fraction=args.val_fraction, max_samples_per_shard=args.max_samples_per_shard,
-              shard_size_bytes=int(args.shard_size_mb * 2**20) if args.shard_size_mb else None,
-              resize_shorter=args.resize_shorter, resize_longer=args.resize_longer, quality=args.quality,
-              classes=args.classes, dedup=args.dedup, workers=args.workers)
+    opts = prep_options(args)  # the same schema, names and defaults as `vitp prep`
+    # the tasks run elsewhere: a local test set by its absolute path, as the source and OUT
+    opts["exclude_near"] = [a if "://" in a else str(Path(a).resolve()) for a in opts.get("exclude_near", [])]
+    cfg.prep = prep_cfg(opts)
     # The plan is written here, once: every task then reads the same deterministic shard list.
-    total = prep(args.source, args.out, shard_range=(0, 0), progress=False, **kw)["shards_total"]
+    total = prep(args.source, args.out, cfg.prep, shard_range=(0, 0), progress=False)["shards_total"]
     ranges = split_shards(total, args.tasks)
     out = args.out if "://" in args.out else str(Path(args.out).resolve())  # a bucket prefix stays as given
-    common = {"source": str(Path(args.source).resolve()), "out": out,
-              "shard_ranges": ranges, "prep_kwargs": kw}
+    common = {"source": str(Path(args.source).resolve()), "out": out, "shard_ranges": ranges}
     calls = [StageJob("prep", _cfg_dict(cfg), kwargs={**common, "task": i}) for i in range(len(ranges))]
     return [cfg] * len(calls), calls
 

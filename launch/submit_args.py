@@ -66,23 +66,17 @@ def common_args(p: argparse.ArgumentParser) -> None:
 
 
 def prep_parser() -> argparse.ArgumentParser:
+    from data_prep.cli import add_prep_options
+
     from .cli import parser_for
 
     p = parser_for("submit", "Submit `vitp prep` as a SLURM array over the plan's shards.")
     p.add_argument("source", help="ImageFolder directory or CSV/JSONL/Parquet manifest")
     p.add_argument("out", help="output folder (shared file system)")
     p.add_argument("overrides", nargs="*", metavar="cluster.KEY=VALUE")
-    p.add_argument("--tasks", type=int, default=1, help="array tasks (each writes a range of shards)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--val-fraction", type=float, default=0.0)
-    p.add_argument("--max-samples-per-shard", type=int, default=5000)
-    p.add_argument("--shard-size-mb", type=float, default=None)
-    p.add_argument("--resize-shorter", type=int, default=None)
-    p.add_argument("--resize-longer", type=int, default=None)
-    p.add_argument("--quality", type=int, default=90)
-    p.add_argument("--classes", default=None, help="classes file (one name per line)")
-    p.add_argument("--dedup", action="store_true")
-    p.add_argument("--workers", type=int, default=1, help="processes per task")
+    p.add_argument("--tasks", type=int, default=1, help="array tasks (each writes a range of shards; --workers "
+                                                         "processes each)")
+    add_prep_options(p)  # `vitp prep`'s own options, but --shard-range and --no-progress (the array sets them)
     common_args(p)
     return p
 

@@ -28,6 +28,7 @@ from pipeline.config.loading import (
     to_yaml,
     write_resolved,
 )
+from pipeline.config.prep import PrepCfg, PrepConfig, prep_cfg
 from pipeline.config.sections import (
     CheckpointCfg,
     ClusterCfg,
@@ -42,7 +43,6 @@ from pipeline.config.sections import (
     InitCfg,
     ModelCfg,
     OptimCfg,
-    PrepConfig,
     RunCfg,
     ScheduleCfg,
     Section,
@@ -56,8 +56,8 @@ from pipeline.config.sections import (
 
 __all__ = [
     "RESOURCE_SECTIONS", "CheckpointCfg", "ClusterCfg", "Config", "ConfigError", "DataCfg", "EngineCfg", "EvalCfg",
-    "EvalConfig", "EvalEntry", "HardwareCfg", "InitCfg", "ModelCfg", "OptimCfg", "PrepConfig", "Resolved", "RunCfg",
-    "ScheduleCfg", "Section", "StageConfig", "TrackingCfg", "TrainCfg", "apply_overrides", "build", "fewshot_sets",
-    "flatten", "from_dict", "load_config", "resolve", "secret_values", "to_dict", "to_yaml", "validate",
-    "world_size_from_env", "write_resolved",
+    "EvalConfig", "EvalEntry", "HardwareCfg", "InitCfg", "ModelCfg", "OptimCfg", "PrepCfg", "PrepConfig", "Resolved",
+    "RunCfg", "ScheduleCfg", "Section", "StageConfig", "TrackingCfg", "TrainCfg", "apply_overrides", "build",
+    "fewshot_sets", "flatten", "from_dict", "load_config", "prep_cfg", "resolve", "secret_values", "to_dict", "to_yaml",
+    "validate", "world_size_from_env", "write_resolved",
 ]

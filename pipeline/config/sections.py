@@ -1,6 +1,7 @@
 """The config schema: each section a pydantic model that checks its fields (YAML's types as they are,
-ranges) and its own combinations; each stage's root (:class:`Config`, :class:`EvalConfig`,
-:class:`PrepConfig`) holds the sections that stage reads and checks what spans them (:func:`validate`).
+ranges) and its own combinations; each stage's root (:class:`Config`, :class:`EvalConfig`, and
+pipeline/config/prep.py's ``PrepConfig``) holds the sections that stage reads and checks what spans them
+(:func:`validate`).
 A refused value raises a pydantic ValidationError whose first error pipeline/config/loading.py turns
 into the one :class:`ConfigError` line naming the key.
 """
@@ -492,14 +493,6 @@ class EvalConfig(StageConfig):
     hardware: HardwareCfg = Field(default_factory=HardwareCfg)
     cluster: ClusterCfg = Field(default_factory=ClusterCfg)
     evals: EvalList() = Field(default_factory=list)  # run instead of the eval.* flags' ones when given
-
-
-class PrepConfig(StageConfig):
-    """`vitp submit prep`'s array tasks: where they run (the rest are prep's own flags)."""
-
-    engine: EngineCfg = Field(default_factory=EngineCfg)
-    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
-    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
 
 
 def world_size_from_env(cfg: StageConfig) -> int:

@@ -102,6 +102,8 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
         sp = info.splits[split]
         profile = {"split": split, "num_samples": sp.num_samples, "num_classes": info.num_classes,
                    "num_shards": len(sp.urls)}
+        if getattr(info, "decontaminated", None):  # what prep excluded, against which test sets
+            profile["decontaminated"] = info.decontaminated
         out.append({"name": f"{base}/{split}", "digest": info.digest, "source_type": source[0],
                     "source": source[1], "schema": schema, "profile": json.dumps(profile), "context": context})
     return out

@@ -60,6 +60,7 @@ class Info:
     splits: dict[str, SplitInfo] = field(default_factory=dict)
     digest: str = ""  # names this exact content: prep's plan id, else a hash of the description
     multi_label: bool = False  # labels are sets of classes (json "labels"); .cls is the primary one
+    decontaminated: dict | None = None  # `vitp prep --exclude-near`: against which test sets, how many dropped
 
     def split(self, name: str) -> SplitInfo:
         """The named split; an error naming the dataset if it is missing or empty."""
@@ -140,7 +141,8 @@ def read_info(path: str | os.PathLike) -> Info:
         raise DataError(f"{where}: no splits")
     if num_classes <= 0:
         raise DataError(f"{where}: num_classes is {num_classes}; need >= 1")
-    return Info(root, num_classes, classes, splits, raw.digest, multi_label=raw.multi_label)
+    return Info(root, num_classes, classes, splits, raw.digest, multi_label=raw.multi_label,
+                decontaminated=raw.decontaminated)
 
 
 def _count_samples(url: str) -> int:

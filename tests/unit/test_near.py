@@ -1,0 +1,108 @@
+"""data_prep/near.py: the perceptual hash finds transformed copies of real photographs (scikit-learn's
+sample images) and not unrelated ones; the index answers as a brute-force scan does."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image, ImageEnhance, ImageOps
+
+from data_prep.near import NearIndex, distance, phash, reference_hashes
+from data_prep.testsets import image_hashes
+from pipeline.config.prep import DEFAULT_NEAR_THRESHOLD as D
+
+
+@pytest.fixture(scope="module")
+def photos() -> list[Image.Image]:
+    from sklearn.datasets import load_sample_images
+
+    out = []
+    for a in load_sample_images().images:
+        im = Image.fromarray(a)
+        im.thumbnail((384, 384))
+        out.append(im)
+    return out
+
+
+def _jpeg(im: Image.Image, q: int) -> Image.Image:
+    b = io.BytesIO()
+    im.save(b, "JPEG", quality=q)
+    return Image.open(io.BytesIO(b.getvalue())).convert("RGB")
+
+
+COPIES = {
+    "half": lambda im: im.resize((im.width // 2, im.height // 2)),
+    "quarter": lambda im: im.resize((im.width // 4, im.height // 4)),
+    "jpeg30": lambda im: _jpeg(im, 30),
+    "crop5": lambda im: ImageOps.crop(im, (im.width // 40, im.height // 40) * 2),
+    "border10": lambda im: ImageOps.expand(im, 10, fill=(0, 0, 0)),
+    "mirror": ImageOps.mirror,
+    "brighter": lambda im: ImageEnhance.Brightness(im).enhance(1.1),
+    "darker": lambda im: ImageEnhance.Brightness(im).enhance(0.9),
+}
+
+
+@pytest.mark.parametrize("name", COPIES)
+def test_each_transform_is_found_and_the_other_photo_is_not(photos, name):
+    index = NearIndex.build([reference_hashes(np.asarray(im)) for im in photos], D)
+    for i, im in enumerate(photos):
+        m = index.nearest(phash(np.asarray(COPIES[name](im))))
+        assert m is not None and m.test == i and m.distance <= D, (name, i, m)
+
+
+def test_unrelated_photos_are_far_apart(photos):
+    a, b = (reference_hashes(np.asarray(im)) for im in photos)
+    assert min(distance(x, y) for x in a for y in b) > D + 4
+    index = NearIndex.build([a], D)
+    assert index.nearest(phash(np.asarray(photos[1]))) is None
+    assert index.nearest(phash(np.asarray(ImageOps.mirror(photos[1])))) is None
+
+
+def test_mirror_hash_is_the_mirrored_image_hash(photos):
+    im = photos[0]
+    assert reference_hashes(np.asarray(im))[1] == phash(np.asarray(ImageOps.mirror(im)))
+    assert reference_hashes(np.asarray(im))[0] != reference_hashes(np.asarray(im))[1]
+
+
+def _encoded(im: Image.Image, fmt: str, **kw) -> bytes:
+    b = io.BytesIO()
+    im.save(b, fmt, **kw)
+    return b.getvalue()
+
+
+def test_exif_rotated_grey_and_cmyk_test_images(photos):
+    """A test file stored sideways with an EXIF orientation, in grey, or in CMYK: its hashes are those of
+    the picture as shown, so the training copy (upright RGB, as prep stores it) is found."""
+    im = photos[0]
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown rotated 90 degrees clockwise from storage
+    sideways = _encoded(im.transpose(Image.Transpose.ROTATE_90), "JPEG", quality=95, exif=exif.tobytes())
+    files = {"exif": sideways, "grey": _encoded(im.convert("L"), "PNG"),
+             "cmyk": _encoded(im.convert("CMYK"), "JPEG", quality=95)}
+    train = phash(np.asarray(im))
+    for name, data in files.items():
+        hs = image_hashes(data)
+        assert min(distance(train, h) for h in hs) <= 4, name
+    # the same file without its orientation tag would not match: the test is of the orientation
+    plain = image_hashes(_encoded(im.transpose(Image.Transpose.ROTATE_90), "JPEG", quality=95))
+    assert min(distance(train, h) for h in plain) > D
+
+
+@pytest.mark.parametrize("threshold", [0, 3, 8, 12, 17, 24])
+def test_index_lookups_equal_a_brute_force_scan(threshold):
+    rng = np.random.default_rng(threshold)
+    hashes = [tuple(int(x) for x in rng.integers(0, 2**64, 4, dtype=np.uint64)) for _ in range(3000)]
+    index = NearIndex.from_bytes(NearIndex.build(hashes, threshold).to_bytes())
+    queries = [int(x) for x in rng.integers(0, 2**64, 300, dtype=np.uint64)]
+    flips = []
+    for _ in range(300):  # and copies at every distance up to the threshold and a little beyond
+        i = int(rng.integers(len(hashes)))
+        flips.append(int(rng.integers(0, threshold + 3)))
+        bits = rng.choice(64, size=flips[-1], replace=False)
+        queries.append(hashes[i][int(rng.integers(4))] ^ int(sum(1 << int(b) for b in bits)))
+    found = [index.nearest(q) for q in queries]
+    assert found == [index.nearest_brute(q) for q in queries]
+    for k, m in zip(flips, found[300:]):  # every copy within the threshold found
+        assert k > threshold or (m is not None and m.distance <= k)

@@ -93,6 +93,8 @@ def prep(
                   shard_size_bytes=cfg.shard_size, image_options=opts.as_dict(), do_dedup=cfg.dedup)
     listing_args = (source, cfg.classes, cfg.path_column, cfg.label_column, cfg.split_column, cfg.labels_column)
     array_task = shard_range not in (None, (0, 0))
+    if not Path(source).exists():  # before OUT is made, as every input mistake
+        raise FileNotFoundError(f"{source}: no such directory or manifest")
     near = _test_sets(out, cfg, array_task)  # a missing or empty test set: one line, before OUT is made
     if not remote:
         out.mkdir(parents=True, exist_ok=True)

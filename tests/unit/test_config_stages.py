@@ -24,7 +24,7 @@ def test_eval_and_prep_need_no_model():
     assert set(to_dict(ev)) == {"data", "eval", "engine", "tracking", "hardware", "cluster", "evals"}
     assert from_dict(to_dict(ev), schema=EvalConfig) == ev
     prep = load_config(None, ["cluster.nodes=2"], schema=PrepConfig)
-    assert prep.world_size_planned == 2 and set(to_dict(prep)) == {"engine", "hardware", "cluster"}
+    assert prep.world_size_planned == 2 and set(to_dict(prep)) == {"engine", "hardware", "cluster", "prep"}
 
 
 def test_a_stage_refuses_a_section_it_does_not_read():

@@ -32,20 +32,16 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from pipeline import slurm, stops
 from pipeline.files import append_jsonl, read_jsonl
+from pipeline.stops import Next, Outcome
 
 EVENTS = "events.jsonl"
 ATTEMPT_MARK = "vitp: attempt {restart} of job {job} starts"  # echoed by the batch script (setup)
-
-# Exceptions a second attempt would raise again: fail at once, do not spend cluster.max_failures.
-NOT_RETRIED = {"ConfigError", "DataError", "RunDirError", "RunDirBusy", "NonFiniteLoss", "WeightsError",
-               "FileNotFoundError", "RequeueLimitError", "AcceleratorError", "ModuleNotFoundError", "ImportError",
-               "SubmitError"}
 
 
 def append_event(folder: str | os.PathLike, event: dict) -> None:
@@ -61,9 +57,7 @@ def count(events: list[dict], kind: str) -> int:
     return sum(e.get("event") == kind for e in events)
 
 
-def retried(e: BaseException) -> bool:
-    """Whether another attempt could get past this error (anything not known to be deterministic)."""
-    return not any(c.__name__ in NOT_RETRIED for c in type(e).__mro__)
+retried = stops.retried  # errors say it by their class (pipeline.stops.Classified)
 
 
 def describe(event: dict) -> str:
@@ -161,7 +155,7 @@ def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | No
     while failures < max_failures. Returns the batch script's exit code (non-zero: the job FAILED)."""
     env = os.environ if environ is None else environ
     name, job_id = job_folder_name(env), env["SLURM_JOB_ID"]
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    restart = slurm.restart_count(env)
     folder = Path(log_dir) / name
     events = read_events(folder)
     if any(e.get("restart") == restart for e in events):
@@ -171,24 +165,17 @@ def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | No
     log = folder / f"{name}_0_log.err"  # submitit's sbatch --error: srun's own messages land here
     text = this_attempt(_tail(log), restart, job_id)
     why = failure(folder, restart, text, rc)
-    failed_before = count(events, "failed")
-    event = {"event": "failed", "restart": restart, "rank": why["rank"], "error": why["error"], "rc": rc}
-    if not why["retry"]:
-        event.update(requeued=False, why="a retry would fail the same way")
-    elif failed_before >= max_failures:
-        event.update(requeued=False, why=f"cluster.max_failures={max_failures} used up")
-    else:
-        event.update(requeued=True)
+    then, why_not = stops.after_failure(why["retry"], count(events, Outcome.FAILED), max_failures)
+    event = {"event": Outcome.FAILED, "restart": restart, "rank": why["rank"], "error": why["error"], "rc": rc,
+             "requeued": then == Next.REQUEUE}
+    if why_not:
+        event["why"] = why_not
     append_event(folder, event)
     print(f"vitp: {describe(event)}", file=sys.stderr, flush=True)
     if not event["requeued"]:
         return rc
-    (requeue or _scontrol_requeue)(job_id)
+    (requeue or slurm.requeue)(job_id)
     return 0
-
-
-def _scontrol_requeue(job_id: str) -> None:
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
 
 
 def batch_lines(log_dir: str, max_failures: int, python: str | None = None) -> tuple[list[str], list[str]]:

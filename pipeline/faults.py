@@ -35,6 +35,7 @@ import signal
 import time
 from pathlib import Path
 
+from pipeline import stops
 from pipeline.files import atomic_write
 
 KILL_AT_STEP = "VITP_TEST_KILL_AT_STEP"
@@ -86,19 +87,17 @@ def poison_grad(step: int, loss) -> None:
 def _pause(step: int) -> None:
     if step not in {int(k) for k in os.environ[PAUSE_AT_STEP].split(",") if k.strip()}:
         return
-    from pipeline.train import stopping  # only under the gate: data_prep's calls never load it
-
     base, rank = f"{os.environ[PAUSE_FILE]}.{step}", os.environ.get("RANK", "0")
     release = Path(base)
     Path(f"{base}.reached.{rank}").touch()
     deadline = time.monotonic() + float(os.environ.get(PAUSE_TIMEOUT_S, "600"))
     noted = False
     while not release.exists():  # waiting for the test, which holds the release file
-        if not noted and stopping.stop_reason() is not None:
-            atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
+        if not noted and stops.stop_reason() is not None:
+            atomic_write(Path(f"{base}.stop.{rank}"), stops.stop_reason())
             noted = True
         if time.monotonic() > deadline:
             raise TimeoutError(f"{PAUSE_FILE}: {release} not created within the timeout")
         time.sleep(0.02)
-    if not noted and stopping.stop_reason() is not None:
-        atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
+    if not noted and stops.stop_reason() is not None:
+        atomic_write(Path(f"{base}.stop.{rank}"), stops.stop_reason())

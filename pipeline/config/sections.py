@@ -16,9 +16,13 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
+from pipeline.stops import Classified
 
-class ConfigError(ValueError):
+
+class ConfigError(Classified, ValueError):
     """A configuration mistake; the message is one line naming the key."""
+
+    retry = False
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ in the job folder's ``events.jsonl``, which survives requeues because the folder
     {"event": "preempted", "restart": 1, "step": 16, ...}  a higher-priority job took the nodes (TERM
                                                            with a PreemptTime): saved, requeued itself
     {"event": "failed",    "restart": 2, "rank": 1, "error": "killed by SIGKILL", "requeued": true, ...}
+                                                           (or "hung: ..., stuck in FRAME": pipeline/hang.py)
     {"event": "cancelled", "restart": 3, "step": 20, ...}  scancel / vitp cancel: saved, stops for good
     {"event": "time_limit", ...}                           TERM at the time limit itself: saved, ends
     {"event": "completed", "restart": 3, "step": 24, ...}
@@ -124,9 +125,21 @@ def _error_record(folder: Path, rank: int, restart: int) -> dict | None:
     return rec if rec.get("restart", 0) == restart else None
 
 
+def _records(folder: Path, restart: int) -> list[dict]:
+    """This attempt's error records, earliest first."""
+    recs = [r for r in (_error_record(folder, int(p.name.split(".")[1]), restart)
+                        for p in folder.glob("error.*.json") if p.name.split(".")[1].isdigit()) if r]
+    return sorted(recs, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+
+
 def failure(folder: Path, restart: int, log_text: str, rc: int) -> dict:
-    """What ended this attempt: {"rank", "error", "retry"} from srun's first dead task and that rank's
+    """What ended this attempt: {"rank", "error", "retry"}: a rank that hung outside any collective
+    (pipeline/hang.py; the ranks waiting for it hang too), else srun's first dead task and that rank's
     error record (or, without srun's line, the earliest error record of this attempt)."""
+    recs = _records(folder, restart)
+    stuck = [r for r in recs if r.get("hang") and not r.get("waiting")]
+    if stuck:
+        return {"rank": stuck[0].get("rank", "?"), "error": stuck[0].get("error"), "retry": True}
     dead = first_dead_task(log_text)
     if dead is not None:
         rank, how = dead
@@ -134,10 +147,8 @@ def failure(folder: Path, restart: int, log_text: str, rc: int) -> dict:
         if rec is not None:
             return {"rank": rank, "error": rec.get("error", how), "retry": rec.get("retry", True)}
         return {"rank": rank, "error": how, "retry": True}
-    recs = [r for r in (_error_record(folder, int(p.name.split(".")[1]), restart)
-                        for p in folder.glob("error.*.json") if p.name.split(".")[1].isdigit()) if r]
     if recs:
-        first = min(recs, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+        first = recs[0]
         return {"rank": first.get("rank", "?"), "error": first.get("error"), "retry": first.get("retry", True)}
     return {"rank": "?", "error": f"srun exited with code {rc}", "retry": True}
 

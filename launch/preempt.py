@@ -39,12 +39,12 @@ import time
 from pathlib import Path
 
 from launch.attempts import append_event, count, read_events
-from pipeline import faults, slurm, stops
+from pipeline import faults, hang, slurm, stops
 from pipeline.distributed import DistEnv, export_env, leave_process_group, rendezvous_port, setup
 from pipeline.files import write_json
 from pipeline.stops import Next, Outcome, Stop
 
-# Stages whose loop polls pipeline.train.stopping every step and saves collectively when asked.
+# Stages whose loop polls pipeline.stops every step and saves collectively when asked.
 COOPERATIVE = {"pretrain", "transfer"}
 STAGE_TARGETS = {
     "pretrain": "pipeline.pretrain:pretrain",
@@ -250,11 +250,13 @@ class StageJob:
               f"master {d.master_addr}:{d.master_port} restart {slurm.restart_count()}", file=sys.stderr, flush=True)
         # the accelerator is this node's choice (never the submitting host's DS_ACCELERATOR), held to the
         # GPUs the config asks for; the rendezvous is the one exported above
+        hang.watch(folder, d.rank, cfg.cluster.hang_dump_s)  # start-up keeps it alive until the first step
         setup(cfg)
 
         faults.hit("step", 0)  # tests may hold every rank here, before the stage starts
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
         result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
+        hang.stop()
         leave_process_group()  # every rank returned; what follows synchronises through files
         summary = {"stage": self.stage, "job_id": str(job_env.job_id), "world_size": d.world_size,
                    "restarts": slurm.restart_count(), **_plain(result)}

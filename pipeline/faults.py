@@ -17,6 +17,9 @@ The training events kill only rank VITP_TEST_KILL_RANK (default 1; the ``RANK`` 
 Slow loader, :func:`slow_batch`: VITP_TEST_SLOW_BATCH_S=s holds every fetch of a training batch s seconds
 on every rank (a loader that cannot keep up).
 
+Hang, event "step": VITP_TEST_HANG_AT_STEP=k blocks rank VITP_TEST_KILL_RANK before step k, for good and
+outside any collective (pipeline/hang.py's watch then dumps its stacks and ends it).
+
 Inf gradient, :func:`poison_grad`: VITP_TEST_INF_GRAD_AT_STEP=k makes step k's loss back-propagate an inf
 gradient on rank VITP_TEST_KILL_RANK (its value stays finite), as an overflow in one rank's backward would.
 
@@ -45,6 +48,7 @@ KILL_RANK = "VITP_TEST_KILL_RANK"
 PREP_KILL_AT = "VITP_PREP_TEST_KILL_AT"
 INF_GRAD_AT_STEP = "VITP_TEST_INF_GRAD_AT_STEP"
 SLOW_BATCH_S = "VITP_TEST_SLOW_BATCH_S"
+HANG_AT_STEP = "VITP_TEST_HANG_AT_STEP"
 PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
 PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
 PAUSE_TIMEOUT_S = "VITP_TEST_PAUSE_TIMEOUT_S"
@@ -57,15 +61,26 @@ def hit(event: str, at: int, scope: str = "") -> None:
     """The seam: a fault set for ``event`` at ``at`` (within ``scope``, e.g. a shard name) happens here."""
     if event == "step" and PAUSE_AT_STEP in os.environ:
         _pause(at)
+    if event == "step" and HANG_AT_STEP in os.environ and int(os.environ[HANG_AT_STEP]) == at and _chosen_rank():
+        _hang()
     want = os.environ.get(_KILL[event])
     if want is None:
         return
     where, _, k = want.rpartition(":")
     if where != scope or int(k) != at:
         return
-    if event in _RANKED and int(os.environ.get("RANK", 0)) != int(os.environ.get(KILL_RANK, 1)):
+    if event in _RANKED and not _chosen_rank():
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _chosen_rank() -> bool:
+    return int(os.environ.get("RANK", 0)) == int(os.environ.get(KILL_RANK, 1))
+
+
+def _hang() -> None:
+    while True:  # the fault itself: no progress, no collective, the GIL free (as a stuck I/O call)
+        time.sleep(1)
 
 
 def slow_batch() -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline import faults, stops
+from pipeline import faults, hang, stops
 from pipeline.distributed import all_reduce, rank0_print, wait_for_rank0
 from pipeline.eval.figures import loss_curve_png
 from pipeline.stops import Classified
@@ -187,6 +187,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
 
     def stopped(stop: float) -> Result:
         """Checkpoint ``step`` and hand the run back (a requeued job continues it)."""
+        hang.stop()  # the save has the collective timeout
         stop = max(stop, check(lag=False, settle=True))  # every rank reads every posted step before agreeing
         reason = stops.agreed(stop, stops.stop_reason())
         rank0_print(f"stopping at step {step} ({reason}); checkpoint {checkpoints.save(step)}")
@@ -246,17 +247,20 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
         if run.ema is not None:
             run.ema.update(engine.module)
         step += 1
+        hang.beat()
         run.window.add(step_sums)
 
-        ran = run_due(before_save, step)  # the checkpoint covers every record up to its step
-        if stop:
-            return stopped(stop)
-        saved = checkpoints.maybe_save(step, before=settle)
-        ran = run_due(after_save, step) or ran or saved is not None
+        with hang.busy():  # periodic work and checkpoints may take long: their collectives have timeouts
+            ran = run_due(before_save, step)  # the checkpoint covers every record up to its step
+            if stop:
+                return stopped(stop)
+            saved = checkpoints.maybe_save(step, before=settle)
+            ran = run_due(after_save, step) or ran or saved is not None
         if ran:  # periodic work is not training time
             train_log.restart()
 
     # the end: final checkpoint (unless this step's is saved), consolidated fp32 weights, artifacts
+    hang.stop()
     checkpoints.maybe_save(step, last_step=True, before=settle)
     run_dir = run.run_dir
     weights = run_dir / "model.safetensors"

@@ -18,7 +18,8 @@ Slow loader, :func:`slow_batch`: VITP_TEST_SLOW_BATCH_S=s holds every fetch of a
 on every rank (a loader that cannot keep up).
 
 Hang, event "step": VITP_TEST_HANG_AT_STEP=k blocks rank VITP_TEST_KILL_RANK before step k, for good and
-outside any collective (pipeline/hang.py's watch then dumps its stacks and ends it).
+outside any collective (pipeline/hang.py's watch then dumps its stacks and ends it); on a job's first
+attempt only, so the requeued one runs through.
 
 Inf gradient, :func:`poison_grad`: VITP_TEST_INF_GRAD_AT_STEP=k makes step k's loss back-propagate an inf
 gradient on rank VITP_TEST_KILL_RANK (its value stays finite), as an overflow in one rank's backward would.
@@ -38,7 +39,7 @@ import signal
 import time
 from pathlib import Path
 
-from pipeline import stops
+from pipeline import slurm, stops
 from pipeline.files import atomic_write
 
 KILL_AT_STEP = "VITP_TEST_KILL_AT_STEP"
@@ -61,7 +62,8 @@ def hit(event: str, at: int, scope: str = "") -> None:
     """The seam: a fault set for ``event`` at ``at`` (within ``scope``, e.g. a shard name) happens here."""
     if event == "step" and PAUSE_AT_STEP in os.environ:
         _pause(at)
-    if event == "step" and HANG_AT_STEP in os.environ and int(os.environ[HANG_AT_STEP]) == at and _chosen_rank():
+    if event == "step" and HANG_AT_STEP in os.environ and int(os.environ[HANG_AT_STEP]) == at and _chosen_rank() \
+            and slurm.restart_count() == 0:
         _hang()
     want = os.environ.get(_KILL[event])
     if want is None:

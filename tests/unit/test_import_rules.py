@@ -48,8 +48,8 @@ GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeli
 # faults is a library module (its pause gate reads the stop request, pipeline.stops) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
 DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults", "pipeline.stops"}
-STDLIB_ONLY = {"pipeline/files.py": set(), "pipeline/faults.py": {"pipeline.files", "pipeline.stops"},
-               "pipeline/stops.py": set()}  # + what they may import
+STDLIB_ONLY = {"pipeline/files.py": set(), "pipeline/faults.py": {"pipeline.files", "pipeline.stops", "pipeline.slurm"},
+               "pipeline/stops.py": set(), "pipeline/slurm.py": {"pipeline.stops"}}  # + what they may import
 # data_prep.store: every dataset address (folder, s3://, gs://, https://) is read through it
 PIPELINE_MAY_IMPORT = {"data_prep.schema", "data_prep.tar", "data_prep.images", "data_prep.store"}
 

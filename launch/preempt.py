@@ -255,8 +255,10 @@ class StageJob:
 
         faults.hit("step", 0)  # tests may hold every rank here, before the stage starts
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
-        result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
-        hang.stop()
+        try:
+            result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
+        finally:
+            hang.stop()  # a stage that raised is not a hang, however long its way out takes
         leave_process_group()  # every rank returned; what follows synchronises through files
         summary = {"stage": self.stage, "job_id": str(job_env.job_id), "world_size": d.world_size,
                    "restarts": slurm.restart_count(), **_plain(result)}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pipeline import faults
 from pipeline.files import atomic_write
+from pipeline.stops import Classified
 
 from .images import NEAR_DUPLICATE, ImageOptions, Reject, init_worker, process_image
 from .progress import Progress
@@ -31,8 +32,10 @@ from .tar import TarSink, tar_member
 CHUNK, MIN_CHUNK = 32, 8
 
 
-class WorkerDied(RuntimeError):
+class WorkerDied(Classified, RuntimeError):
     """A prep worker process died (killed, out of memory): the run failed (exit 1); rerunning resumes."""
+
+    exit_code = 1
 
 
 def stats_path(out: Path, name: str) -> Path:

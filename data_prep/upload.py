@@ -23,6 +23,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from pipeline.stops import Classified
+
 from . import store
 from .images import ImageOptions
 from .shards import shard_done, stats_path, write_shards
@@ -30,8 +32,10 @@ from .shards import shard_done, stats_path, write_shards
 UPLOAD_DEPTH = 2
 
 
-class UploadFailed(RuntimeError):
+class UploadFailed(Classified, RuntimeError):
     """An upload to the object store failed (exit 1); rerunning the same command resumes."""
+
+    exit_code = 1
 
 
 def default_staging() -> str:

@@ -7,6 +7,7 @@ in the job folder's ``events.jsonl``, which survives requeues because the folder
     {"event": "preempted", "restart": 1, "step": 16, ...}  a higher-priority job took the nodes (TERM
                                                            with a PreemptTime): saved, requeued itself
     {"event": "failed",    "restart": 2, "rank": 1, "error": "killed by SIGKILL", "requeued": true, ...}
+                                                           (or "hung: ..., stuck in FRAME": pipeline/hang.py)
     {"event": "cancelled", "restart": 3, "step": 20, ...}  scancel / vitp cancel: saved, stops for good
     {"event": "time_limit", ...}                           TERM at the time limit itself: saved, ends
     {"event": "completed", "restart": 3, "step": 24, ...}
@@ -32,20 +33,16 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from pipeline import slurm, stops
 from pipeline.files import append_jsonl, read_jsonl
+from pipeline.stops import Next, Outcome
 
 EVENTS = "events.jsonl"
 ATTEMPT_MARK = "vitp: attempt {restart} of job {job} starts"  # echoed by the batch script (setup)
-
-# Exceptions a second attempt would raise again: fail at once, do not spend cluster.max_failures.
-NOT_RETRIED = {"ConfigError", "DataError", "RunDirError", "RunDirBusy", "NonFiniteLoss", "WeightsError",
-               "FileNotFoundError", "RequeueLimitError", "AcceleratorError", "ModuleNotFoundError", "ImportError",
-               "SubmitError"}
 
 
 def append_event(folder: str | os.PathLike, event: dict) -> None:
@@ -61,9 +58,7 @@ def count(events: list[dict], kind: str) -> int:
     return sum(e.get("event") == kind for e in events)
 
 
-def retried(e: BaseException) -> bool:
-    """Whether another attempt could get past this error (anything not known to be deterministic)."""
-    return not any(c.__name__ in NOT_RETRIED for c in type(e).__mro__)
+retried = stops.retried  # errors say it by their class (pipeline.stops.Classified)
 
 
 def describe(event: dict) -> str:
@@ -130,9 +125,21 @@ def _error_record(folder: Path, rank: int, restart: int) -> dict | None:
     return rec if rec.get("restart", 0) == restart else None
 
 
+def _records(folder: Path, restart: int) -> list[dict]:
+    """This attempt's error records, earliest first."""
+    recs = [r for r in (_error_record(folder, int(p.name.split(".")[1]), restart)
+                        for p in folder.glob("error.*.json") if p.name.split(".")[1].isdigit()) if r]
+    return sorted(recs, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+
+
 def failure(folder: Path, restart: int, log_text: str, rc: int) -> dict:
-    """What ended this attempt: {"rank", "error", "retry"} from srun's first dead task and that rank's
+    """What ended this attempt: {"rank", "error", "retry"}: a rank that hung outside any collective
+    (pipeline/hang.py; the ranks waiting for it hang too), else srun's first dead task and that rank's
     error record (or, without srun's line, the earliest error record of this attempt)."""
+    recs = _records(folder, restart)
+    stuck = [r for r in recs if r.get("hang") and not r.get("waiting")]
+    if stuck:
+        return {"rank": stuck[0].get("rank", "?"), "error": stuck[0].get("error"), "retry": True}
     dead = first_dead_task(log_text)
     if dead is not None:
         rank, how = dead
@@ -140,10 +147,8 @@ def failure(folder: Path, restart: int, log_text: str, rc: int) -> dict:
         if rec is not None:
             return {"rank": rank, "error": rec.get("error", how), "retry": rec.get("retry", True)}
         return {"rank": rank, "error": how, "retry": True}
-    recs = [r for r in (_error_record(folder, int(p.name.split(".")[1]), restart)
-                        for p in folder.glob("error.*.json") if p.name.split(".")[1].isdigit()) if r]
     if recs:
-        first = min(recs, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+        first = recs[0]
         return {"rank": first.get("rank", "?"), "error": first.get("error"), "retry": first.get("retry", True)}
     return {"rank": "?", "error": f"srun exited with code {rc}", "retry": True}
 
@@ -161,7 +166,7 @@ def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | No
     while failures < max_failures. Returns the batch script's exit code (non-zero: the job FAILED)."""
     env = os.environ if environ is None else environ
     name, job_id = job_folder_name(env), env["SLURM_JOB_ID"]
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
+    restart = slurm.restart_count(env)
     folder = Path(log_dir) / name
     events = read_events(folder)
     if any(e.get("restart") == restart for e in events):
@@ -171,24 +176,17 @@ def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | No
     log = folder / f"{name}_0_log.err"  # submitit's sbatch --error: srun's own messages land here
     text = this_attempt(_tail(log), restart, job_id)
     why = failure(folder, restart, text, rc)
-    failed_before = count(events, "failed")
-    event = {"event": "failed", "restart": restart, "rank": why["rank"], "error": why["error"], "rc": rc}
-    if not why["retry"]:
-        event.update(requeued=False, why="a retry would fail the same way")
-    elif failed_before >= max_failures:
-        event.update(requeued=False, why=f"cluster.max_failures={max_failures} used up")
-    else:
-        event.update(requeued=True)
+    then, why_not = stops.after_failure(why["retry"], count(events, Outcome.FAILED), max_failures)
+    event = {"event": Outcome.FAILED, "restart": restart, "rank": why["rank"], "error": why["error"], "rc": rc,
+             "requeued": then == Next.REQUEUE}
+    if why_not:
+        event["why"] = why_not
     append_event(folder, event)
     print(f"vitp: {describe(event)}", file=sys.stderr, flush=True)
     if not event["requeued"]:
         return rc
-    (requeue or _scontrol_requeue)(job_id)
+    (requeue or slurm.requeue)(job_id)
     return 0
-
-
-def _scontrol_requeue(job_id: str) -> None:
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
 
 
 def batch_lines(log_dir: str, max_failures: int, python: str | None = None) -> tuple[list[str], list[str]]:

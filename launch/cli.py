@@ -2,7 +2,9 @@
 `--help` and an example) lives in launch/ and is imported only when the command runs, so `vitp prep`
 starts without torch and `vitp --help` is instant; the stages it calls are library functions of a
 typed config. This table is the only place that knows the commands, and :func:`run_command` the only
-place that turns an error into an exit code (:data:`EXIT_CODES`).
+place that turns an error into an exit code: the error's class says which
+(:class:`pipeline.stops.Classified`; the project's bad values are ValueErrors, exit 2); anything else
+is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from pipeline.stops import Classified, exit_code
 
 # command → (module:function, one-line summary, example)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -71,37 +75,10 @@ FAILED = {
     "demo": "a step of the demo failed",
 }
 
-# The project's errors -> exit codes, first match wins; by (module, class) so that this table imports
-# nothing (`vitp --help` stays instant, `vitp prep` free of torch): an error can only be raised by a
-# module that is loaded. Anything else is a bug: its traceback, exit 1.
-EXIT_CODES: tuple[tuple[str, str, int], ...] = (
-    ("pipeline.train.loop", "NonFiniteLoss", 1),  # the run started and failed
-    ("data_prep.shards", "WorkerDied", 1),
-    ("data_prep.upload", "UploadFailed", 1),
-    ("launch.cli", "CommandFailed", 1),
-    # a mistake in what was asked (nothing started, or nothing done is lost): fix it and run again
-    ("pipeline.train.build", "RunDirError", 2),
-    ("pipeline.rundir", "RunDirBusy", 2),
-    ("pipeline.distributed", "AcceleratorError", 2),
-    ("pipeline.distributed", "RendezvousError", 2),
-    ("pipeline.tracking.mlflow_store", "TrackingAccessError", 2),
-    # ConfigError, DataError, WeightsError, PlanError, SubmitError: the project's bad values are ValueErrors
-    ("builtins", "ValueError", 2),
-    ("builtins", "FileNotFoundError", 2),
-)
-
-
-class CommandFailed(RuntimeError):
+class CommandFailed(Classified, RuntimeError):
     """What a command ran failed (exit 1); the message is one line."""
 
-
-def exit_code(e: BaseException) -> int | None:
-    """The exit code of a project error (:data:`EXIT_CODES`), None for anything else."""
-    for module, name, code in EXIT_CODES:
-        cls = getattr(sys.modules.get(module), name, None)
-        if cls is not None and isinstance(e, cls):
-            return code
-    return None
+    exit_code = 1
 
 
 def run_command(fn, argv: list[str]) -> int:

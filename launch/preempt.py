@@ -8,16 +8,16 @@ callable then
    (:func:`pipeline.distributed.setup`: the accelerator, held to the GPUs the job asked for, and the
    process group, with a timeout, before DeepSpeed starts, so DeepSpeed reuses it; no ssh, no hostfile);
 2. replaces submitit's signal handlers on every rank: SIGUSR2 (time limit near) and SIGTERM only ask
-   the stage to stop at the next step boundary (:func:`pipeline.train.stopping.request_stop`).
+   the stage to stop at the next step boundary (:func:`pipeline.stops.request_stop`).
    submitit's own handler checkpoints from rank 0 alone, but DeepSpeed's save is collective and would
    hang;
-3. runs the stage; when it comes back "stopped", every rank has saved, and rank 0 decides what the stop
-   was: USR2 → requeue (``scontrol requeue``, bounded by cluster.max_requeues); TERM → asks SLURM why
-   (:func:`term_cause`): a preemption (PreemptMode=REQUEUE sends TERM, the job is RUNNING with a
-   PreemptTime) requeues the job itself — a job that exits within its GraceTime would otherwise end
-   COMPLETED — while ``scancel``/``vitp cancel`` (the job is already COMPLETING) stops for good. A
-   requeued attempt exits without a result pickle (submitit's ``done()`` and ``vitp submit --wait`` then
-   keep waiting for it).
+3. runs the stage; when it comes back "stopped", every rank has saved, and rank 0 asks
+   :func:`pipeline.stops.after_stop` what the stop was and what comes next: USR2 → requeue
+   (``scontrol requeue``, bounded by cluster.max_requeues); TERM → asks SLURM why (:func:`term_cause`):
+   a preemption (PreemptMode=REQUEUE sends TERM, the job is RUNNING with a PreemptTime) requeues the
+   job itself — a job that exits within its GraceTime would otherwise end COMPLETED — while
+   ``scancel``/``vitp cancel`` (the job is already COMPLETING) stops for good. A requeued attempt exits
+   without a result pickle (submitit's ``done()`` and ``vitp submit --wait`` then keep waiting for it).
 
 A task that dies without a word (SIGKILL, OOM, segfault) is handled outside the tasks, by the batch
 script (launch/attempts.py).
@@ -34,18 +34,17 @@ import dataclasses
 import importlib
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from launch.attempts import append_event, count, read_events, retried
-from pipeline import faults
+from launch.attempts import append_event, count, read_events
+from pipeline import faults, hang, slurm, stops
 from pipeline.distributed import DistEnv, export_env, leave_process_group, rendezvous_port, setup
 from pipeline.files import write_json
-from pipeline.train import stopping
+from pipeline.stops import Next, Outcome, Stop
 
-# Stages whose loop polls pipeline.train.stopping every step and saves collectively when asked.
+# Stages whose loop polls pipeline.stops every step and saves collectively when asked.
 COOPERATIVE = {"pretrain", "transfer"}
 STAGE_TARGETS = {
     "pretrain": "pipeline.pretrain:pretrain",
@@ -65,8 +64,10 @@ def stage_schema(stage: str):
 CANCEL_MARK = "cancel-requested"  # written by `vitp cancel` before scancel
 
 
-class RequeueLimitError(RuntimeError):
+class RequeueLimitError(stops.Classified, RuntimeError):
     """Stopped for a requeue, but cluster.max_requeues is used up."""
+
+    retry = False
 
 
 def nccl_debug_env(folder: str | os.PathLike, environ=None) -> dict[str, str]:
@@ -81,30 +82,11 @@ def nccl_debug_env(folder: str | os.PathLike, environ=None) -> dict[str, str]:
     return {k: v for k, v in want.items() if k not in env}
 
 
-def parse_term_cause(scontrol_text: str) -> str:
-    """`scontrol show job -o JOBID` at SIGTERM time → "preempt" | "time_limit" | "cancel".
-
-    Measured on SLURM 22.05: a job preempted with PreemptMode=REQUEUE gets TERM while it is still
-    RUNNING with PreemptTime set (the grace period); a scancel'd job is already COMPLETING (or CANCELLED)
-    with PreemptTime=None; a requeued attempt starts with PreemptTime=None again."""
-    fields = dict(kv.split("=", 1) for kv in scontrol_text.split() if "=" in kv)
-    state = fields.get("JobState", "")
-    if state == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown", "(null)", ""):
-        return "preempt"
-    if state.startswith("TIMEOUT"):
-        return "time_limit"
-    return "cancel"
-
-
-def term_cause(job_id: str, folder: Path) -> str:
-    """Why this job got SIGTERM; anything unclear is a cancel (a user's scancel must never requeue)."""
+def term_cause(job_id: str, folder: Path) -> Stop:
+    """Why this job got SIGTERM: `vitp cancel`'s mark, else what SLURM says (:func:`pipeline.slurm.term_cause`)."""
     if (folder / CANCEL_MARK).exists():
-        return "cancel"
-    try:
-        r = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return "cancel"
-    return parse_term_cause(r.stdout) if r.returncode == 0 else "cancel"
+        return Stop.CANCEL
+    return slurm.term_cause(job_id)
 
 
 def job_dist_env(job_env, engine: dict | None = None, environ=None) -> DistEnv:
@@ -119,8 +101,7 @@ def job_dist_env(job_env, engine: dict | None = None, environ=None) -> DistEnv:
     world = int(job_env.num_tasks)
     nodes = max(1, int(job_env.num_nodes))
     hosts = list(job_env.hostnames) if job_env.cluster == "slurm" else ["127.0.0.1"]
-    restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    port = int(engine.get("master_port") or rendezvous_port(str(job_env.job_id), restart))
+    port = int(engine.get("master_port") or rendezvous_port(str(job_env.job_id), slurm.restart_count(env)))
     return DistEnv(rank=int(job_env.global_rank), world_size=world, local_rank=int(job_env.local_rank),
                    local_world_size=max(1, world // nodes), master_addr=engine.get("master_addr") or hosts[0],
                    master_port=port, source=job_env.cluster)
@@ -129,14 +110,14 @@ def job_dist_env(job_env, engine: dict | None = None, environ=None) -> DistEnv:
 def _on_usr2(signum, frame) -> None:
     # A requeue beats a cancel: on a time limit SLURM sends USR2 first and TERM at the end, and on
     # preemption TERM may come first; either way the run must come back.
-    stopping.clear()
-    stopping.request_stop("requeue")
+    stops.clear()
+    stops.request_stop(Stop.REQUEUE)
 
 
 def _on_term(signum, frame) -> None:
     # scancel, a preemption (PreemptMode=REQUEUE) or the time limit: rank 0 asks SLURM which once
     # every rank has saved (term_cause); a signal handler only sets the flag.
-    stopping.request_stop("cancel")
+    stops.request_stop(Stop.CANCEL)
 
 
 def install_stop_handlers() -> None:
@@ -150,20 +131,11 @@ def _requeue_now_handler(job_id: str, rank: int, max_requeues: int):
     """For stages that do not poll (prep resumes per shard, eval restarts): requeue at once."""
 
     def handler(signum, frame):
-        if rank == 0 and _restarts() < max_requeues:
-            _scontrol_requeue(job_id)
+        if rank == 0 and slurm.restart_count() < max_requeues:
+            slurm.requeue(job_id)
         raise SystemExit(0)
 
     return handler
-
-
-def _restarts() -> int:
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-
-
-def _scontrol_requeue(job_id: str) -> None:
-    subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-    print(f"Requeued job {job_id} (restart {_restarts() + 1})", file=sys.stderr, flush=True)
 
 
 def _file_barrier(folder: Path, tag: str, d: DistEnv, timeout_s: float) -> None:
@@ -211,8 +183,8 @@ def write_error(folder: Path, rank: int, e: BaseException) -> None:
     from pipeline.secrets import redact  # an error text may quote a URI with its credentials
 
     try:
-        write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": _restarts(), "time": time.time(),
-                                                   "error": redact(error_line(e)), "retry": retried(e)})
+        write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": slurm.restart_count(), "time": time.time(),
+                                                   "error": redact(error_line(e)), "retry": stops.retried(e)})
     except OSError as oe:  # the record is a courtesy; the exception itself must still propagate
         print(f"vitp: could not write {folder}/error.{rank}.json ({oe})", file=sys.stderr, flush=True)
 
@@ -268,41 +240,42 @@ class StageJob:
         os.environ["VITP_JOB_ID"] = str(job_env.job_id)
         os.environ.update(nccl_debug_env(folder))  # read when the NCCL process group is created
         cfg = from_dict(self.cfg, world_size=d.world_size, schema=stage_schema(self.stage))
-        stopping.clear()
+        stops.clear()
         if self.stage in COOPERATIVE:
             install_stop_handlers()
         elif job_env.cluster == "slurm":
             signal.signal(signal.SIGUSR2, _requeue_now_handler(str(job_env.job_id), d.rank,
                                                                cfg.cluster.max_requeues))
         print(f"vitp: {self.stage} rank {d.rank}/{d.world_size} local {d.local_rank}/{d.local_world_size} "
-              f"master {d.master_addr}:{d.master_port} restart {_restarts()}", file=sys.stderr, flush=True)
+              f"master {d.master_addr}:{d.master_port} restart {slurm.restart_count()}", file=sys.stderr, flush=True)
         # the accelerator is this node's choice (never the submitting host's DS_ACCELERATOR), held to the
         # GPUs the config asks for; the rendezvous is the one exported above
+        hang.watch(folder, d.rank, cfg.cluster.hang_dump_s)  # start-up keeps it alive until the first step
         setup(cfg)
 
         faults.hit("step", 0)  # tests may hold every rank here, before the stage starts
         fn = resolve_target(self.target or STAGE_TARGETS[self.stage])
-        result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
+        try:
+            result = fn(cfg, **self.kwargs) if self.kwargs else fn(cfg)
+        finally:
+            hang.stop()  # a stage that raised is not a hang, however long its way out takes
         leave_process_group()  # every rank returned; what follows synchronises through files
         summary = {"stage": self.stage, "job_id": str(job_env.job_id), "world_size": d.world_size,
-                   "restarts": _restarts(), **_plain(result)}
+                   "restarts": slurm.restart_count(), **_plain(result)}
         if summary.get("status") == "stopped":
             self._after_stop(summary, cfg, d, folder, job_env)
         if d.is_rank0:
             _write_result(folder, summary)
             if job_env.cluster == "slurm":
-                append_event(folder, {"event": "completed", "restart": _restarts(), "step": summary.get("step")})
+                append_event(folder, {"event": Outcome.COMPLETED, "restart": slurm.restart_count(),
+                                      "step": summary.get("step")})
         return summary
 
     def _after_stop(self, summary: dict, cfg, d: DistEnv, folder: Path, job_env) -> None:
-        # The stage's agreed reason, else this rank's own signal; a stop asked by another rank
-        # without a known reason is treated as a requeue (losing a run is worse than one more try).
-        reason = summary.get("stop_reason") or summary.get("reason")
-        if reason not in ("requeue", "cancel"):
-            reason = stopping.stop_reason() or "requeue"
+        reason = stops.job_reason(summary.get("stop_reason") or summary.get("reason"), stops.stop_reason())
         summary["stop_reason"] = reason
         if job_env.cluster != "slurm":
-            if reason == "cancel":
+            if reason == Stop.CANCEL:
                 if d.is_rank0:
                     _write_result(folder, summary)
                 raise SystemExit(0)
@@ -310,24 +283,20 @@ class StageJob:
                                     f"'{job_env.cluster}' executor cannot requeue; resubmit to resume")
         job_id, step = str(job_env.job_id), summary.get("step")
         # every rank has saved before rank 0 requeues (which kills the job) or reports the end
-        _file_barrier(folder, f"stop-{_restarts()}", d, cfg.engine.collective_timeout_s)
+        _file_barrier(folder, f"stop-{slurm.restart_count()}", d, cfg.engine.collective_timeout_s)
         if d.is_rank0:
-            cause = term_cause(job_id, folder)  # a site may preempt with USR2 (send_user_signal) too
-            if reason == "requeue":
-                cause = "preempt" if cause == "preempt" else "requeue"
-            if cause == "requeue":  # the time limit is near
-                requeues = count(read_events(folder), "requeued")
-                if requeues >= cfg.cluster.max_requeues:
-                    raise RequeueLimitError(
-                        f"stopped at step {step}: job already requeued {requeues} times "
-                        f"(cluster.max_requeues={cfg.cluster.max_requeues}); resubmit to resume from the checkpoint")
-            event = {"requeue": "requeued", "preempt": "preempted", "time_limit": "time_limit"}.get(cause, "cancelled")
-            append_event(folder, {"event": event, "restart": _restarts(), "step": step})
-            if event in ("cancelled", "time_limit"):  # the checkpoint is saved; nothing is requeued
-                summary["stop_reason"] = "cancel" if event == "cancelled" else "time_limit"
+            requeues = count(read_events(folder), Outcome.REQUEUED)
+            outcome, then = stops.after_stop(reason, term_cause(job_id, folder), requeues, cfg.cluster.max_requeues)
+            if then == Next.FAIL:
+                raise RequeueLimitError(
+                    f"stopped at step {step}: job already requeued {requeues} times "
+                    f"(cluster.max_requeues={cfg.cluster.max_requeues}); resubmit to resume from the checkpoint")
+            append_event(folder, {"event": outcome, "restart": slurm.restart_count(), "step": step})
+            if then == Next.END:  # the checkpoint is saved; nothing is requeued
+                summary["stop_reason"] = Stop.TIME_LIMIT if outcome == Outcome.TIME_LIMIT else Stop.CANCEL
                 _write_result(folder, summary)
             else:
-                _scontrol_requeue(job_id)
+                slurm.requeue(job_id)
         # No result pickle on a requeue: SystemExit passes submitit's `except Exception`, so the job counts
         # as unfinished and the requeued run writes the final result.
         raise SystemExit(0)

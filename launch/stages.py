@@ -26,10 +26,10 @@ def stop_on_term() -> None:
     holds, which the default action (die at once) lost."""
     import signal
 
-    from pipeline.train import stopping
+    from pipeline import stops
 
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda signum, frame: stopping.request_stop("cancel"))
+        signal.signal(signal.SIGTERM, lambda signum, frame: stops.request_stop(stops.Stop.CANCEL))
 
 
 def evaluators_of(cfg, stage: str | None = None) -> list:

@@ -10,9 +10,13 @@ import itertools
 import json
 from pathlib import Path
 
+from pipeline.stops import Classified
 
-class SubmitError(ValueError):
+
+class SubmitError(Classified, ValueError):
     """A submission mistake found before anything reached the queue; one line."""
+
+    retry = False
 
 
 # --------------------------------------------------------------------------------------------------

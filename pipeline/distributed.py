@@ -28,6 +28,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from pipeline import slurm
+from pipeline.stops import Classified
 from pipeline.threads import use_cpu_threads
 
 
@@ -78,7 +80,7 @@ def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port:
             local_rank=int(env.get("SLURM_LOCALID", 0)), local_world_size=local_world,
             master_addr=master_addr or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
             master_port=int(master_port or rendezvous_port(env.get("SLURM_JOB_ID", "0"),
-                                                          int(env.get("SLURM_RESTART_COUNT") or 0))),
+                                                          slurm.restart_count(env))),
             source="slurm")
     return DistEnv()
 
@@ -101,8 +103,10 @@ def rank0_print(*args, file=None, **kwargs) -> None:
 # --------------------------------------------------------------------------------------------------
 # Rendezvous: fail fast and say why, instead of hanging until the scheduler's time limit.
 # --------------------------------------------------------------------------------------------------
-class RendezvousError(RuntimeError):
+class RendezvousError(Classified, RuntimeError):
     """The ranks could not meet (port taken, a rank never arrived); the message is one line."""
+
+    exit_code = 2
 
 
 def rendezvous_port(job_id: str, restart: int = 0) -> int:
@@ -134,8 +138,11 @@ def port_free(port: int, host: str = "") -> bool:
     return True
 
 
-class AcceleratorError(RuntimeError):
+class AcceleratorError(Classified, RuntimeError):
     """GPUs were asked for but CUDA is not usable on this node; the message names why."""
+
+    exit_code = 2
+    retry = False
 
 
 def _driver_cuda() -> str:

@@ -17,6 +17,10 @@ The training events kill only rank VITP_TEST_KILL_RANK (default 1; the ``RANK`` 
 Slow loader, :func:`slow_batch`: VITP_TEST_SLOW_BATCH_S=s holds every fetch of a training batch s seconds
 on every rank (a loader that cannot keep up).
 
+Hang, event "step": VITP_TEST_HANG_AT_STEP=k blocks rank VITP_TEST_KILL_RANK before step k, for good and
+outside any collective (pipeline/hang.py's watch then dumps its stacks and ends it); on a job's first
+attempt only, so the requeued one runs through.
+
 Inf gradient, :func:`poison_grad`: VITP_TEST_INF_GRAD_AT_STEP=k makes step k's loss back-propagate an inf
 gradient on rank VITP_TEST_KILL_RANK (its value stays finite), as an overflow in one rank's backward would.
 
@@ -35,6 +39,7 @@ import signal
 import time
 from pathlib import Path
 
+from pipeline import slurm, stops
 from pipeline.files import atomic_write
 
 KILL_AT_STEP = "VITP_TEST_KILL_AT_STEP"
@@ -44,6 +49,7 @@ KILL_RANK = "VITP_TEST_KILL_RANK"
 PREP_KILL_AT = "VITP_PREP_TEST_KILL_AT"
 INF_GRAD_AT_STEP = "VITP_TEST_INF_GRAD_AT_STEP"
 SLOW_BATCH_S = "VITP_TEST_SLOW_BATCH_S"
+HANG_AT_STEP = "VITP_TEST_HANG_AT_STEP"
 PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
 PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
 PAUSE_TIMEOUT_S = "VITP_TEST_PAUSE_TIMEOUT_S"
@@ -56,15 +62,27 @@ def hit(event: str, at: int, scope: str = "") -> None:
     """The seam: a fault set for ``event`` at ``at`` (within ``scope``, e.g. a shard name) happens here."""
     if event == "step" and PAUSE_AT_STEP in os.environ:
         _pause(at)
+    if event == "step" and HANG_AT_STEP in os.environ and int(os.environ[HANG_AT_STEP]) == at and _chosen_rank() \
+            and slurm.restart_count() == 0:
+        _hang()
     want = os.environ.get(_KILL[event])
     if want is None:
         return
     where, _, k = want.rpartition(":")
     if where != scope or int(k) != at:
         return
-    if event in _RANKED and int(os.environ.get("RANK", 0)) != int(os.environ.get(KILL_RANK, 1)):
+    if event in _RANKED and not _chosen_rank():
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _chosen_rank() -> bool:
+    return int(os.environ.get("RANK", 0)) == int(os.environ.get(KILL_RANK, 1))
+
+
+def _hang() -> None:
+    while True:  # the fault itself: no progress, no collective, the GIL free (as a stuck I/O call)
+        time.sleep(1)
 
 
 def slow_batch() -> None:
@@ -86,19 +104,17 @@ def poison_grad(step: int, loss) -> None:
 def _pause(step: int) -> None:
     if step not in {int(k) for k in os.environ[PAUSE_AT_STEP].split(",") if k.strip()}:
         return
-    from pipeline.train import stopping  # only under the gate: data_prep's calls never load it
-
     base, rank = f"{os.environ[PAUSE_FILE]}.{step}", os.environ.get("RANK", "0")
     release = Path(base)
     Path(f"{base}.reached.{rank}").touch()
     deadline = time.monotonic() + float(os.environ.get(PAUSE_TIMEOUT_S, "600"))
     noted = False
     while not release.exists():  # waiting for the test, which holds the release file
-        if not noted and stopping.stop_reason() is not None:
-            atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
+        if not noted and stops.stop_reason() is not None:
+            atomic_write(Path(f"{base}.stop.{rank}"), stops.stop_reason())
             noted = True
         if time.monotonic() > deadline:
             raise TimeoutError(f"{PAUSE_FILE}: {release} not created within the timeout")
         time.sleep(0.02)
-    if not noted and stopping.stop_reason() is not None:
-        atomic_write(Path(f"{base}.stop.{rank}"), stopping.stop_reason())
+    if not noted and stops.stop_reason() is not None:
+        atomic_write(Path(f"{base}.stop.{rank}"), stops.stop_reason())

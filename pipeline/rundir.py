@@ -32,13 +32,19 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from pipeline import slurm
+from pipeline.stops import Classified
+
 OWNER = ".owner.json"
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
           "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 
 
-class RunDirBusy(RuntimeError):
+class RunDirBusy(Classified, RuntimeError):
     """Another live job owns the run dir."""
+
+    exit_code = 2
+    retry = False
 
 
 def lease_s() -> float:
@@ -57,7 +63,7 @@ def _proc_start(pid: int) -> str | None:
 def me(environ: dict | None = None) -> dict:
     """This process as an owner record."""
     env = os.environ if environ is None else environ
-    return {"job": env.get("SLURM_JOB_ID") or None, "restart": int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+    return {"job": env.get("SLURM_JOB_ID") or None, "restart": slurm.restart_count(env),
             "host": socket.gethostname(), "pid": os.getpid(), "pid_start": _proc_start(os.getpid()),
             "since": time.time()}
 

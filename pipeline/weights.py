@@ -21,11 +21,14 @@ import torch
 
 from pipeline.files import replacing
 from pipeline.model import ViT, build_vit, load_pretrained, load_state_dict_into, reset_head
+from pipeline.stops import Classified
 from pipeline.train import checkpoint as ckpt_lib
 
 
-class WeightsError(ValueError):
+class WeightsError(Classified, ValueError):
     """Weights that cannot work as asked (missing checkpoint, other architecture, bad class count)."""
+
+    retry = False
 
 
 # --------------------------------------------------------------------------------------------------

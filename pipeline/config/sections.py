@@ -17,9 +17,13 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
+from pipeline.stops import Classified
 
-class ConfigError(ValueError):
+
+class ConfigError(Classified, ValueError):
     """A configuration mistake; the message is one line naming the key."""
+
+    retry = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -361,6 +365,7 @@ class ClusterCfg(Section):
     log_dir: Str = "runs/jobs"
     signal_delay_s: Int = Field(120, ge=0)  # SIGUSR2 this long before the time limit
     max_requeues: Int = Field(3, ge=0)  # time-limit requeues (USR2); preemptions are not counted
+    hang_dump_s: Float = Field(600.0, ge=0)  # no step this long: stacks to hang.<rank>.txt, requeued (0: off)
     max_failures: Int = Field(2, ge=0)  # attempts that failed (a rank died or raised) requeued before giving up
 
 

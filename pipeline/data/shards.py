@@ -29,6 +29,7 @@ import numpy as np
 from data_prep import store
 from data_prep.schema import CLASSES_FILE, IMAGE_EXTS, INFO_FILE, DatasetInfo, SchemaError, parse_classes
 from data_prep.tar import TarError, iter_tar
+from pipeline.stops import Classified
 
 from .stream import ReadPolicy, ShardReadError, ShardStream
 
@@ -36,8 +37,10 @@ SKIP_REASONS = ("corrupt_tar", "missing_cls", "bad_cls", "bad_labels", "missing_
                 "unreadable_shard")
 
 
-class DataError(ValueError):
+class DataError(Classified, ValueError):
     """A dataset that cannot be read as configured; the message is one line naming the file/key."""
+
+    retry = False
 
 
 # ── Dataset description ────────────────────────────────────────────────────────────────────────────

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pipeline.files import append_jsonl, read_jsonl
 from pipeline.secrets import has_secret, redact, restore
+from pipeline.stops import Classified
 
 # Fail fast and let our thread retry: mlflow's own retries would stall the queue for minutes.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -32,8 +33,10 @@ KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"  # the UI o
 RUN_KEY_TAG = "vitp_run_key"
 
 
-class TrackingAccessError(RuntimeError):
+class TrackingAccessError(Classified, RuntimeError):
     """The tracking server refused us (login, permission, TLS); the message is one line."""
+
+    exit_code = 2
 
 
 def _status(e: BaseException) -> int | None:

@@ -39,6 +39,7 @@ from pipeline.data.mixing import Mixer
 from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval import evaluators as evals
 from pipeline.eval.task import Task
+from pipeline.stops import Classified
 from pipeline.tracking import METRICS, JsonlSink, Sinks
 from pipeline.tracking.setup import Tracking
 from pipeline.train import checkpoint as ckpt_lib
@@ -52,8 +53,9 @@ from pipeline.train.periodic import Periodic, TrainLog, Window
 from pipeline.train.schedule import Schedule
 
 
-class RunDirError(RuntimeError):
-    pass
+class RunDirError(Classified, RuntimeError):
+    exit_code = 2
+    retry = False
 
 
 def prepare_run_dir(run, resolved_yaml: str, rank: int) -> Path | None:

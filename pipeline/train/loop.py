@@ -34,13 +34,13 @@ from pathlib import Path
 
 import torch
 
-from pipeline import faults
+from pipeline import faults, hang, stops
 from pipeline.distributed import all_reduce, rank0_print, wait_for_rank0
 from pipeline.eval.figures import loss_curve_png
+from pipeline.stops import Classified
 from pipeline.tracking import Sinks
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
-from pipeline.train import stopping
 from pipeline.train.build import Run
 from pipeline.train.loss import top1_hits
 
@@ -58,8 +58,9 @@ class Result:
     mlflow_run_id: str | None = None
 
 
-class NonFiniteLoss(RuntimeError):
-    pass
+class NonFiniteLoss(Classified, RuntimeError):
+    exit_code = 1
+    retry = False
 
 
 @dataclass
@@ -77,9 +78,9 @@ class Finished:
 # Pieces of a step
 # --------------------------------------------------------------------------------------------------
 class Agreement:
-    """Per step, whether any rank asked to stop (2: requeue, which wins over 1: any other reason,
-    e.g. cancel), whether any rank saw a non-finite loss, and whether the optimizer step before had a
-    non-finite gradient norm: one [3] all-reduce (max) on the device.
+    """Per step, whether any rank asked to stop (:func:`pipeline.stops.code`: 2 a requeue, which wins
+    over 1 any other reason, e.g. cancel), whether any rank saw a non-finite loss, and whether the
+    optimizer step before had a non-finite gradient norm: one [3] all-reduce (max) on the device.
 
     ``post`` starts step t's all-reduce without waiting; ``read`` returns the agreed flags of every
     posted step. ``lag=True`` leaves the newest posted step unread (it is read next time, after the
@@ -95,8 +96,7 @@ class Agreement:
     def post(self, step: int, asked: str | None, loss_sum: torch.Tensor, norm_bad: torch.Tensor) -> None:
         """Step ``step``'s flags; ``norm_bad``: 1.0 on the device if step ``step`` - 1's gradient norm was
         not finite (:func:`pipeline.train.engine.nonfinite_grad_norm`)."""
-        code = 0.0 if asked is None else 2.0 if asked == "requeue" else 1.0
-        flags = torch.stack([torch.full((), code, dtype=torch.float32, device=self.device),
+        flags = torch.stack([torch.full((), stops.code(asked), dtype=torch.float32, device=self.device),
                              (~torch.isfinite(loss_sum)).to(torch.float32), norm_bad.to(torch.float32)])
         flags = all_reduce(flags, "max")
         done = None
@@ -187,8 +187,9 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
 
     def stopped(stop: float) -> Result:
         """Checkpoint ``step`` and hand the run back (a requeued job continues it)."""
+        hang.stop()  # the save has the collective timeout
         stop = max(stop, check(lag=False, settle=True))  # every rank reads every posted step before agreeing
-        reason = "requeue" if stop == 2 else (stopping.stop_reason() or "cancel")
+        reason = stops.agreed(stop, stops.stop_reason())
         rank0_print(f"stopping at step {step} ({reason}); checkpoint {checkpoints.save(step)}")
         tracker.close(timeout=min(run.close_timeout, 10.0))
         return Result("stopped", step, str(run.run_dir), reason=reason, loss=log.latest.get("loss"),
@@ -239,24 +240,27 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
         sync = checkpoints.due(step + 1) or any(task.due(step + 1) for task in run.periodic)
 
         step_sums, images = forward_backward(batches, step)
-        agree.post(step + 1, stopping.stop_reason(), step_sums[0], norm_bad)
+        agree.post(step + 1, stops.stop_reason(), step_sums[0], norm_bad)
         stop = max(stop, check(lag=not sync))  # a non-finite loss stops before this optimizer step
         engine.step()  # the boundary: clip, optimizer update
         norm_bad = eng_lib.nonfinite_grad_norm(engine, device)  # read with the next step's flags
         if run.ema is not None:
             run.ema.update(engine.module)
         step += 1
+        hang.beat()
         run.window.add(step_sums)
 
-        ran = run_due(before_save, step)  # the checkpoint covers every record up to its step
-        if stop:
-            return stopped(stop)
-        saved = checkpoints.maybe_save(step, before=settle)
-        ran = run_due(after_save, step) or ran or saved is not None
+        with hang.busy():  # periodic work and checkpoints may take long: their collectives have timeouts
+            ran = run_due(before_save, step)  # the checkpoint covers every record up to its step
+            if stop:
+                return stopped(stop)
+            saved = checkpoints.maybe_save(step, before=settle)
+            ran = run_due(after_save, step) or ran or saved is not None
         if ran:  # periodic work is not training time
             train_log.restart()
 
     # the end: final checkpoint (unless this step's is saved), consolidated fp32 weights, artifacts
+    hang.stop()
     checkpoints.maybe_save(step, last_step=True, before=settle)
     run_dir = run.run_dir
     weights = run_dir / "model.safetensors"

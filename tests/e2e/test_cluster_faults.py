@@ -1,8 +1,8 @@
 """What a production cluster does to a job, done for real on the local SLURM cluster (2 nodes x 1 task):
 a preemption by a job of the higher-priority partition `urgent` (PreemptMode=REQUEUE: SIGTERM,
-GraceTime, requeue), a rank SIGKILLed mid-run (as the OOM killer does), a second job for a run dir that
-a live job owns, and failures beyond cluster.max_failures. The disturbed run must end with the losses
-and weights of an undisturbed one.
+GraceTime, requeue), a rank SIGKILLed mid-run (as the OOM killer does), a rank that hangs, a second
+job for a run dir that a live job owns, and failures beyond cluster.max_failures. The disturbed run
+must end with the losses and weights of an undisturbed one.
 
 One job takes every disturbance that it survives (each attempt costs a job start, the slow part here),
 and the undisturbed reference trains while the first test's job starts.
@@ -173,3 +173,26 @@ def test_preempted_and_killed_run_comes_back_and_ends_like_an_undisturbed_one(re
     assert listing[2:] == [f"  attempt 0: preempted at step {k1}: saved, requeued",
                            "  attempt 1: failed: rank 1: killed by SIGKILL; requeued",
                            f"  attempt 2: completed at step {STEPS}"]
+
+
+def test_a_hung_rank_leaves_its_stacks_and_the_requeued_run_ends_like_an_undisturbed_one(reference, tmp_path):
+    """Attempt 0: rank 1 blocks before step 6 outside any collective (the test fault; rank 0 then waits
+    in the step's all-reduce). After cluster.hang_dump_s without a step it writes hang.1.txt and ends;
+    srun ends the step, the batch script records the stuck rank and its frame and requeues. Attempt 1
+    resumes from step 4 and ends bit-identical to the reference."""
+    jobs, run = tmp_path / "jobs", tmp_path / "run"
+    r = cli([*COMMON, f"run.dir={run}", f"cluster.log_dir={jobs}", "cluster.hang_dump_s=3", "--wait"],
+            {"VITP_TEST_HANG_AT_STEP": "6", "VITP_TEST_KILL_RANK": "1"}, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    jid = job_id(r.stdout)
+    ev = read_events(jobs / jid)
+    assert [(e["event"], e["restart"]) for e in ev] == [("failed", 0), ("completed", 1)], ev
+    assert (ev[0]["rank"], ev[0]["requeued"]) == (1, True)
+    stacks = (jobs / jid / "hang.1.txt").read_text()
+    assert stacks.startswith("hung: no progress for ") and "in _hang" in stacks and "pipeline/train/loop.py" in stacks
+    same_run(run, reference.finished())
+    listing = jobs_listing(jobs)
+    assert listing[2].startswith("  attempt 0: failed: rank 1: hung: no progress for ")
+    assert ", stuck in _hang (pipeline/faults.py:" in listing[2]
+    assert listing[2].endswith("; stacks in hang.1.txt; requeued")
+    assert listing[3:] == [f"  attempt 1: completed at step {STEPS}"]

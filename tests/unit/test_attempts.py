@@ -20,8 +20,9 @@ from launch.attempts import (
     read_events,
     retried,
 )
-from launch.preempt import nccl_debug_env, parse_term_cause, term_cause
+from launch.preempt import nccl_debug_env, term_cause
 from launch.submit import load_submit_config, slurm_parameters
+from pipeline.slurm import parse_term_cause
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")

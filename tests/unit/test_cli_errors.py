@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.cli import COMMANDS, EXIT_CODES, main, run_command
+from launch.cli import COMMANDS, main, run_command
+from pipeline.stops import exit_code
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
@@ -82,10 +83,34 @@ def test_a_bug_keeps_its_traceback():
         run_command(bug, [])
 
 
+# The project's errors and their exit codes: each class says its own (pipeline.stops.Classified)
+EXIT_CODES = (
+    ("pipeline.train.loop", "NonFiniteLoss", 1),  # the run started and failed
+    ("data_prep.shards", "WorkerDied", 1),
+    ("data_prep.upload", "UploadFailed", 1),
+    ("launch.cli", "CommandFailed", 1),
+    ("pipeline.train.build", "RunDirError", 2),
+    ("pipeline.rundir", "RunDirBusy", 2),
+    ("pipeline.distributed", "AcceleratorError", 2),
+    ("pipeline.distributed", "RendezvousError", 2),
+    ("pipeline.tracking.mlflow_store", "TrackingAccessError", 2),
+    ("pipeline.config", "ConfigError", 2),  # the project's bad values are ValueErrors
+    ("launch.submit_args", "SubmitError", 2),
+    ("builtins", "ValueError", 2),
+    ("builtins", "FileNotFoundError", 2),
+)
+
+
 @pytest.mark.parametrize("module,name,code", EXIT_CODES)
 def test_exit_table_names_real_exception_classes(module, name, code):
     cls = getattr(importlib.import_module(module), name)
     assert issubclass(cls, Exception) and code in (1, 2)
+    assert exit_code(cls("x")) == code
+
+
+def test_other_errors_are_bugs():
+    assert exit_code(KeyError("x")) is None and exit_code(RuntimeError("x")) is None
+    assert exit_code(ModuleNotFoundError("x")) is None
 
 
 # A mistake that needs the checkpoint's weights to be seen (they are read with torch)

@@ -16,11 +16,11 @@ CHILD = """
 import sys
 from launch.preempt import install_stop_handlers
 from pipeline import faults
-from pipeline.train import stopping
+from pipeline import stops
 install_stop_handlers()
 for step in range(1, 5):
     faults.hit("step", step)
-    print(step, stopping.stop_reason(), flush=True)
+    print(step, stops.stop_reason(), flush=True)
 """
 
 

@@ -44,11 +44,13 @@ STAGES = {"pipeline.pretrain", "pipeline.transfer", "pipeline.evaluate", "pipeli
 LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data", "pipeline.plan",
            "pipeline.tracking")
 GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeline.model", "pipeline.files",
-          "pipeline.driver", "pipeline.secrets", "pipeline.rundir", "pipeline.threads")
-# faults is a library module (its pause gate reads pipeline.train.stopping, lazily) that data_prep may call
+          "pipeline.driver", "pipeline.secrets", "pipeline.rundir", "pipeline.threads", "pipeline.stops",
+          "pipeline.slurm", "pipeline.hang")
+# faults is a library module (its pause gate reads the stop request, pipeline.stops) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
-DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults", "pipeline.config.prep"}
-STDLIB_ONLY = {"pipeline/files.py": set(), "pipeline/faults.py": {"pipeline.files"}}  # + what they may import
+DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults", "pipeline.stops", "pipeline.config.prep"}
+STDLIB_ONLY = {"pipeline/files.py": set(), "pipeline/faults.py": {"pipeline.files", "pipeline.stops", "pipeline.slurm"},
+               "pipeline/stops.py": set(), "pipeline/slurm.py": {"pipeline.stops"}}  # + what they may import
 # data_prep.store: every dataset address (folder, s3://, gs://, https://) is read through it
 PIPELINE_MAY_IMPORT = {"data_prep.schema", "data_prep.tar", "data_prep.images", "data_prep.store"}
 
@@ -125,7 +127,8 @@ def shared_violations(rel: str, names: set[str], top_level: set[str]) -> list[st
         out += [f"{rel} imports {n} (data_prep may use only {', '.join(sorted(DATA_PREP_MAY_IMPORT - {'pipeline'}))})"
                 for n in sorted(names) if n.split(".")[0] == "pipeline"
                 and n not in DATA_PREP_MAY_IMPORT
-                and not n.startswith(("pipeline.files.", "pipeline.faults.", "pipeline.config.prep."))]
+                and not n.startswith(("pipeline.files.", "pipeline.faults.", "pipeline.stops.",
+                                      "pipeline.config.prep."))]
     if rel.startswith("pipeline/"):
         out += [f"{rel} imports {n} (pipeline may use only {', '.join(sorted(PIPELINE_MAY_IMPORT))} of data_prep)"
                 for n in sorted(names) if n.split(".")[0] == "data_prep" and n != "data_prep"
@@ -313,8 +316,8 @@ def test_checker_catches_violations():
     assert shared_violations("pipeline/data/shards.py", {"data_prep.build.prep"}, set())
     assert shared_violations("pipeline/faults.py", set(), {"os", "pipeline.files.atomic_write"}) == []
     assert shared_violations("pipeline/faults.py", set(), {"torch"})
-    known = {"pipeline.faults", "pipeline.train.stopping"}
-    assert layer_violations("pipeline.faults", {"pipeline.train.stopping"}, known) == []
+    known = {"pipeline.faults", "pipeline.stops"}
+    assert layer_violations("pipeline.faults", {"pipeline.stops"}, known) == []
 
 
 # ── Private names stay private ─────────────────────────────────────────────────────────────────────

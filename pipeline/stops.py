@@ -1,0 +1,148 @@
+"""Why a job stops and how an attempt ends: one vocabulary, one decision, errors classified by class.
+
+Standard library only, on the ground floor: the training loop, the test-fault seam, data_prep and
+launch/ all read it, so a new fault behaviour adds a word here and a branch in one decision below.
+
+    Stop       why a run stopped early (the stop request, ``Result.reason``, the job's stop_reason)
+    Outcome    how one attempt of a SLURM job ended (the "event" of its line in events.jsonl)
+    Next       what the attempt does next: requeue, fail, or end for good
+    Classified the mixin of the project's errors: their exit code and whether a retry could help
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class _Word(str, enum.Enum):
+    """A word that is also its string: compares, formats and serialises as its value."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Stop(_Word):
+    CANCEL = "cancel"  # scancel, vitp cancel, SIGTERM under a plain launcher: saved, ends for good
+    REQUEUE = "requeue"  # USR2: the time limit is near; saved, requeued (bounded by cluster.max_requeues)
+    PREEMPT = "preempt"  # TERM while RUNNING with a PreemptTime (PreemptMode=REQUEUE): saved, requeued
+    TIME_LIMIT = "time_limit"  # TERM at the time limit itself: saved, ends
+
+
+class Outcome(_Word):
+    REQUEUED = "requeued"
+    PREEMPTED = "preempted"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TIME_LIMIT = "time_limit"
+    COMPLETED = "completed"
+
+
+class Next(_Word):
+    REQUEUE = "requeue"
+    FAIL = "fail"
+    END = "end"
+
+
+# --------------------------------------------------------------------------------------------------
+# The process-wide stop request: a signal handler sets it (all it may safely do), the loop polls it
+# --------------------------------------------------------------------------------------------------
+_reason: Stop | None = None
+
+
+def request_stop(reason: Stop | str) -> None:
+    """Ask the running stage to checkpoint and stop at the next step boundary (the first ask wins)."""
+    global _reason
+    if _reason is None:
+        _reason = Stop(reason)
+
+
+def stop_reason() -> Stop | None:
+    return _reason
+
+
+def clear() -> None:
+    global _reason
+    _reason = None
+
+
+# --------------------------------------------------------------------------------------------------
+# The one decision: why a run stopped, and what its attempt does next
+# --------------------------------------------------------------------------------------------------
+def code(asked: Stop | str | None) -> float:
+    """A rank's stop request as the number the ranks all-reduce (max): 2 a requeue, which wins over
+    1 any other reason (on a time limit SLURM sends USR2 first and TERM at the end), 0 none."""
+    return 0.0 if asked is None else 2.0 if asked == Stop.REQUEUE else 1.0
+
+
+def agreed(stop_code: float, own: Stop | None) -> Stop:
+    """The run's reason for an agreed stop code: a requeue if any rank asked one, else this rank's own
+    request, else (another rank asked) a cancel."""
+    return Stop.REQUEUE if stop_code == 2 else (own or Stop.CANCEL)
+
+
+def job_reason(stage_reason: str | None, own: Stop | None) -> Stop:
+    """The stop reason of a job's task: the stage's agreed one, else this rank's own signal; a stop that
+    another rank asked without a known reason is a requeue (losing a run is worse than one more try)."""
+    if stage_reason in (Stop.REQUEUE, Stop.CANCEL):
+        return Stop(stage_reason)
+    return own or Stop.REQUEUE
+
+
+_ON_STOP = {Stop.REQUEUE: (Outcome.REQUEUED, Next.REQUEUE), Stop.PREEMPT: (Outcome.PREEMPTED, Next.REQUEUE),
+            Stop.TIME_LIMIT: (Outcome.TIME_LIMIT, Next.END), Stop.CANCEL: (Outcome.CANCELLED, Next.END)}
+
+
+def after_stop(reason: Stop, term: Stop, requeues: int, max_requeues: int) -> tuple[Outcome | None, Next]:
+    """A saved stop on SLURM: ``reason`` the job's (:func:`job_reason`), ``term`` what SLURM says the TERM
+    was (a site may preempt with USR2 too), ``requeues`` time-limit requeues so far. -> (the attempt's
+    outcome, what next); (None, FAIL) when a time-limit requeue is due but cluster.max_requeues is used up."""
+    cause = (Stop.PREEMPT if term == Stop.PREEMPT else Stop.REQUEUE) if reason == Stop.REQUEUE else term
+    if cause == Stop.REQUEUE and requeues >= max_requeues:
+        return None, Next.FAIL
+    return _ON_STOP[cause]
+
+
+def after_failure(retry: bool, failed_before: int, max_failures: int) -> tuple[Next, str | None]:
+    """An attempt that failed (a rank died, raised or hung): requeue while a retry could help and fewer
+    than ``max_failures`` attempts failed before. -> (what next, why not requeued)."""
+    if not retry:
+        return Next.FAIL, "a retry would fail the same way"
+    if failed_before >= max_failures:
+        return Next.FAIL, f"cluster.max_failures={max_failures} used up"
+    return Next.REQUEUE, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors, by class
+# --------------------------------------------------------------------------------------------------
+class Classified:
+    """Mixin of the project's errors. ``exit_code``: 1 a run that started and failed, 2 a mistake in
+    what was asked (None: a base class decides). ``retry``: False when another attempt would raise it
+    again (a bad config, a missing dataset, a non-finite loss), so no cluster.max_failures is spent."""
+
+    exit_code: int | None = None
+    retry: bool | None = None
+
+
+# builtins the project raises for its own mistakes (ConfigError, DataError, ... are ValueErrors)
+_BUILTIN = {ValueError: (2, None), FileNotFoundError: (2, False), ImportError: (None, False)}
+
+
+def _first(e: BaseException, i: int, attr: str):
+    for c in type(e).__mro__:  # the most specific class that says
+        value = vars(c).get(attr) if issubclass(c, Classified) else None
+        if value is None:
+            value = _BUILTIN.get(c, (None, None))[i]
+        if value is not None:
+            return value
+    return None
+
+
+def exit_code(e: BaseException) -> int | None:
+    """A command's exit code for the project error ``e``; None for anything else (a bug: its traceback)."""
+    return _first(e, 0, "exit_code")
+
+
+def retried(e: BaseException) -> bool:
+    """Whether another attempt could get past ``e`` (anything not known to be deterministic)."""
+    return _first(e, 1, "retry") is not False

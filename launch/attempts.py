@@ -8,6 +8,9 @@ in the job folder's ``events.jsonl``, which survives requeues because the folder
                                                            with a PreemptTime): saved, requeued itself
     {"event": "failed",    "restart": 2, "rank": 1, "error": "killed by SIGKILL", "requeued": true, ...}
                                                            (or "hung: ..., stuck in FRAME": pipeline/hang.py)
+    {"event": "failed", ..., "node": "node2", "fault": "NCCL error", "excluded": ["node2"], ...}
+                                                           a failure that points at its node: requeued
+                                                           without it (launch/nodes.py)
     {"event": "cancelled", "restart": 3, "step": 20, ...}  scancel / vitp cancel: saved, stops for good
     {"event": "time_limit", ...}                           TERM at the time limit itself: saved, ends
     {"event": "completed", "restart": 3, "step": 24, ...}
@@ -41,8 +44,11 @@ from pipeline import slurm, stops
 from pipeline.files import append_jsonl, read_jsonl
 from pipeline.stops import Next, Outcome
 
+from . import nodes
+
 EVENTS = "events.jsonl"
 ATTEMPT_MARK = "vitp: attempt {restart} of job {job} starts"  # echoed by the batch script (setup)
+MAX_EXCLUDED = 2  # cluster.max_excluded_nodes' default: the teardown's command line names any other
 
 
 def append_event(folder: str | os.PathLike, event: dict) -> None:
@@ -70,7 +76,13 @@ def describe(event: dict) -> str:
             "cancelled": f"cancelled{at}" + (" (checkpoint saved)" if step is not None else ""),
             "time_limit": f"time limit reached{at} (checkpoint saved; cluster.max_requeues used up?)",
             "completed": f"completed{at}"}.get(kind)
-    if kind == "failed":
+    if kind == "failed" and event.get("fault"):  # a failure that points at its node
+        node = event.get("node", "?")
+        what = f"failed: rank {event.get('rank', '?')} on {node}: {event['fault']}"
+        what += f"; {', '.join(event['excluded'])} excluded" if event.get("excluded") else ""
+        what += f"; {node} not excluded ({event['kept']})" if event.get("kept") else ""
+        what += "; requeued" if event.get("requeued") else f"; not requeued ({event.get('why', 'no retry')})"
+    elif kind == "failed":
         what = f"failed: rank {event.get('rank', '?')}: {event.get('error', '?')}"
         what += "; requeued" if event.get("requeued") else f"; not requeued ({event.get('why', 'no retry')})"
     return f"attempt {event.get('restart', '?')}: {what or kind}"
@@ -161,9 +173,41 @@ def job_folder_name(environ: dict | None = None) -> str:
     return env["SLURM_JOB_ID"]
 
 
-def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | None = None, requeue=None) -> int:
+_RANK_START = re.compile(r"^vitp: \S+ rank \d+/\d+ .* restart (\d+)$", re.M)  # launch/preempt.py's first line
+
+
+def _rank_log(folder: Path, name: str, rank, restart: int) -> str:
+    """Rank ``rank``'s own log (stderr) of this attempt: after its start line of this restart."""
+    if not isinstance(rank, int):
+        return ""
+    text = _tail(folder / f"{name}_{rank}_log.err", 1 << 20)
+    starts = [m for m in _RANK_START.finditer(text) if int(m[1]) == restart]
+    return text[starts[-1].start():] if starts else ""
+
+
+def _exclusion(fault: nodes.Fault, then: Next, why_not: str | None, events: list[dict], env: dict,
+               exclude: list[str], max_excluded: int, pool) -> tuple[dict, Next, str | None]:
+    """A failure that points at ``fault.node``: the event's fields, what next and why not requeued (a
+    job whose failures are used up still records the node, for `vitp submit` to carry over)."""
+    fields = {"node": fault.node, "fault": fault.reason}
+    already = nodes.excluded(exclude, events)
+    needed = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    partition = env.get("SLURM_JOB_PARTITION")
+    add, kept, fails = nodes.leave_out(fault.node, already, max_excluded, needed,
+                                       pool(partition) if callable(pool) else pool, partition)
+    if fails:
+        return fields, Next.FAIL, fails
+    fields.update({"excluded": add} if add else {"kept": kept})
+    return fields, then, why_not
+
+
+def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | None = None, requeue=None,
+                   exclude: list[str] | None = None, max_excluded: int = MAX_EXCLUDED,
+                   pool=nodes.partition_nodes) -> int:
     """The batch script after ``srun`` returned ``rc``: record a failed attempt and requeue the job
-    while failures < max_failures. Returns the batch script's exit code (non-zero: the job FAILED)."""
+    while failures < max_failures, without the node the failure points at (``exclude``: the nodes the job
+    was submitted without; ``pool``: the partition's nodes, or how to ask for them). Returns the batch
+    script's exit code (non-zero: the job FAILED)."""
     env = os.environ if environ is None else environ
     name, job_id = job_folder_name(env), env["SLURM_JOB_ID"]
     restart = slurm.restart_count(env)
@@ -177,19 +221,27 @@ def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | No
     text = this_attempt(_tail(log), restart, job_id)
     why = failure(folder, restart, text, rc)
     then, why_not = stops.after_failure(why["retry"], count(events, Outcome.FAILED), max_failures)
+    fault = nodes.find_fault(text, why, _rank_log(folder, name, why["rank"], restart))
+    fields: dict = {}
+    if fault is not None and why["retry"]:
+        fields, then, why_not = _exclusion(fault, then, why_not, events, env, exclude or [], max_excluded, pool)
     event = {"event": Outcome.FAILED, "restart": restart, "rank": why["rank"], "error": why["error"], "rc": rc,
-             "requeued": then == Next.REQUEUE}
+             **fields, "requeued": then == Next.REQUEUE}
     if why_not:
         event["why"] = why_not
     append_event(folder, event)
     print(f"vitp: {describe(event)}", file=sys.stderr, flush=True)
     if not event["requeued"]:
         return rc
-    (requeue or slurm.requeue)(job_id)
+    if event.get("excluded"):  # every node left out so far: the update replaces the list
+        (requeue or slurm.requeue_excluding)(job_id, nodes.excluded(exclude, [*events, event]))
+    else:
+        (requeue or slurm.requeue)(job_id)
     return 0
 
 
-def batch_lines(log_dir: str, max_failures: int, python: str | None = None) -> tuple[list[str], list[str]]:
+def batch_lines(log_dir: str, max_failures: int, python: str | None = None, exclude: list[str] | None = None,
+                max_excluded: int = MAX_EXCLUDED) -> tuple[list[str], list[str]]:
     """(setup, teardown) lines of the sbatch script: mark where this attempt's log starts; after srun,
     hand its exit code to :func:`end_of_attempt` (teardown's first line runs right after srun, so $? is
     srun's status) and end the batch script with what that decides."""
@@ -199,7 +251,9 @@ def batch_lines(log_dir: str, max_failures: int, python: str | None = None) -> t
     setup = ['echo "' + ATTEMPT_MARK.format(restart="${SLURM_RESTART_COUNT:-0}", job="$SLURM_JOB_ID") + '" >&2']
     teardown = ["vitp_rc=$?",
                 f"{py} -m launch.attempts --log-dir {shlex.quote(str(Path(log_dir).resolve()))} "
-                f"--max-failures {int(max_failures)} --rc $vitp_rc",
+                f"--max-failures {int(max_failures)}"
+                + (f" --max-excluded {int(max_excluded)}" if max_excluded != MAX_EXCLUDED else "")
+                + "".join(f" --exclude {shlex.quote(n)}" for n in exclude or []) + " --rc $vitp_rc",
                 "exit $?"]
     return setup, teardown
 
@@ -213,8 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-dir", required=True)
     p.add_argument("--max-failures", type=int, required=True)
     p.add_argument("--rc", type=int, required=True, help="srun's exit status")
+    p.add_argument("--max-excluded", type=int, default=MAX_EXCLUDED, help="cluster.max_excluded_nodes")
+    p.add_argument("--exclude", action="append", default=[], help="a node the job was submitted without")
     args = p.parse_args(argv)
-    return end_of_attempt(Path(args.log_dir), args.rc, args.max_failures)
+    return end_of_attempt(Path(args.log_dir), args.rc, args.max_failures, exclude=args.exclude,
+                          max_excluded=args.max_excluded)
 
 
 if __name__ == "__main__":

@@ -77,11 +77,14 @@ def slurm_parameters(cfg) -> dict:
             p[f"slurm_{key}"] = getattr(c, key)
     if c.exclusive:
         p["slurm_exclusive"] = True
+    if c.exclude_nodes:  # nodes an earlier failure pointed at (launch/nodes.py)
+        p["slurm_exclude"] = ",".join(c.exclude_nodes)
     # A task that dies (OOM killer, segfault) ends the whole step at once instead of leaving the others
     # in a collective until its timeout; the batch script then records the failure and requeues the job
     # while cluster.max_failures allows (launch/attempts.py).
     p["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
-    setup, teardown = batch_lines(c.log_dir, c.max_failures)
+    setup, teardown = batch_lines(c.log_dir, c.max_failures, exclude=c.exclude_nodes,
+                                  max_excluded=c.max_excluded_nodes)
     if c.cpus_per_task > 1:
         # Slurm 22.05-23.02: srun no longer inherits sbatch's --cpus-per-task, so every rank (and its
         # loader workers) would share one core; SRUN_CPUS_PER_TASK restores it (ignored elsewhere).
@@ -226,6 +229,21 @@ def check_run_dir(cfg, stage: str) -> None:
                               "choose another run.dir")
 
 
+def check_nodes(cfg, stage: str, cluster: str) -> None:
+    """The nodes the run dir's last job left out are left out again unless cluster.exclude_nodes says
+    otherwise (launch/nodes.py); refused when they leave the partition too few nodes for the job."""
+    from . import nodes
+    from .attempts import read_events
+
+    note = nodes.carry_over(cfg, stage, read_index(cfg.cluster.log_dir), read_events)
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    problem = nodes.nodes_left_problem(cfg, nodes.partition_nodes(cfg.cluster.partition)) \
+        if cluster == "slurm" and cfg.cluster.exclude_nodes else None
+    if problem:
+        raise SubmitError(problem)
+
+
 def check_stage_importable(stage: str, target: str | None) -> None:
     """The job's entry point exists here (module and function), before anything is queued."""
     import importlib
@@ -300,6 +318,8 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
         entry = {"job_id": str(job.job_id), "stage": stage, "folder": str(folder.resolve()), "executor": cluster,
                  "run_dir": _run_dir(stage, cfg, call),
                  "tasks": cfg.cluster.nodes * cfg.cluster.tasks_per_node, "time": time.time(), **(extra or {})}
+        if cfg.cluster.exclude_nodes:  # what the run dir's next job carries over (launch/nodes.py)
+            entry["exclude_nodes"] = list(cfg.cluster.exclude_nodes)
         append_index(cfg.cluster.log_dir, entry)
         entries.append(entry)
     return entries
@@ -425,6 +445,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
         for c in cfgs:
             check_data(c, stage)
             check_run_dir(c, stage)
+            check_nodes(c, stage, cluster)
         same_job(cfgs, sets)
         _driver_check(args, base, cluster)
         check_tracking(cfgs, stage)

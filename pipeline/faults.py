@@ -21,6 +21,11 @@ Hang, event "step": VITP_TEST_HANG_AT_STEP=k blocks rank VITP_TEST_KILL_RANK bef
 outside any collective (pipeline/hang.py's watch then dumps its stacks and ends it); on a job's first
 attempt only, so the requeued one runs through.
 
+GPU fault, event "step": VITP_TEST_CUDA_ERROR_AT_STEP=k makes the rank on node VITP_TEST_FAULT_NODE (the
+SLURMD_NODENAME slurmd gives a task; unset: rank VITP_TEST_KILL_RANK) raise a CUDA error before step k,
+so the error record it leaves is a real GPU fault's (launch/nodes.py then leaves the node out); on a
+job's first attempt only.
+
 Inf gradient, :func:`poison_grad`: VITP_TEST_INF_GRAD_AT_STEP=k makes step k's loss back-propagate an inf
 gradient on rank VITP_TEST_KILL_RANK (its value stays finite), as an overflow in one rank's backward would.
 
@@ -50,6 +55,8 @@ PREP_KILL_AT = "VITP_PREP_TEST_KILL_AT"
 INF_GRAD_AT_STEP = "VITP_TEST_INF_GRAD_AT_STEP"
 SLOW_BATCH_S = "VITP_TEST_SLOW_BATCH_S"
 HANG_AT_STEP = "VITP_TEST_HANG_AT_STEP"
+CUDA_ERROR_AT_STEP = "VITP_TEST_CUDA_ERROR_AT_STEP"
+FAULT_NODE = "VITP_TEST_FAULT_NODE"
 PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
 PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
 PAUSE_TIMEOUT_S = "VITP_TEST_PAUSE_TIMEOUT_S"
@@ -65,6 +72,9 @@ def hit(event: str, at: int, scope: str = "") -> None:
     if event == "step" and HANG_AT_STEP in os.environ and int(os.environ[HANG_AT_STEP]) == at and _chosen_rank() \
             and slurm.restart_count() == 0:
         _hang()
+    if event == "step" and CUDA_ERROR_AT_STEP in os.environ and int(os.environ[CUDA_ERROR_AT_STEP]) == at \
+            and _chosen_node() and slurm.restart_count() == 0:
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered (test fault)")
     want = os.environ.get(_KILL[event])
     if want is None:
         return
@@ -78,6 +88,11 @@ def hit(event: str, at: int, scope: str = "") -> None:
 
 def _chosen_rank() -> bool:
     return int(os.environ.get("RANK", 0)) == int(os.environ.get(KILL_RANK, 1))
+
+
+def _chosen_node() -> bool:
+    node = os.environ.get(FAULT_NODE)
+    return _chosen_rank() if node is None else os.environ.get("SLURMD_NODENAME") == node
 
 
 def _hang() -> None:

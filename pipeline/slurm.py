@@ -1,11 +1,14 @@
 """The SLURM facts a job reads about itself, in one place: which attempt this is, why it got SIGTERM,
-and asking for a requeue. Library and launcher both read them (the library may not import launch/)."""
+and asking for a requeue (with nodes left out). Library and launcher both read them (the library may
+not import launch/)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 from pipeline.stops import Stop
 
@@ -20,6 +23,35 @@ def requeue(job_id: str) -> None:
     """``scontrol requeue``: the job ends now and comes back under the same id (restart count + 1)."""
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
     print(f"Requeued job {job_id} (restart {restart_count() + 1})", file=sys.stderr, flush=True)
+
+
+def requeue_excluding(job_id: str, nodes: list[str], run=subprocess.run) -> bool:
+    """Requeue job ``job_id`` with ExcNodeList=``nodes`` (all of them: the update replaces the list).
+
+    SLURM 22.05 refuses ExcNodeList for a job that is not PENDING (job_mgr.c ``_update_job``:
+    ESLURM_JOB_NOT_PENDING), so: ``scontrol requeuehold`` (the job is PENDING at once, held so that no
+    scheduler pass starts it before the update), ``scontrol update``, ``scontrol release``. A job SLURM
+    requeued by itself (its node failed) is pending already: ``hold`` instead. The requeue kills the
+    calling batch script (SIGTERM, KillWait, SIGKILL), so SIGTERM is ignored until the release is sent.
+    -> whether the update took (a refused one is reported; the job is released either way)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    held = run(["scontrol", "requeuehold", job_id], capture_output=True, text=True, timeout=60)
+    if held.returncode and "pending" in (held.stderr or "").lower():
+        held = run(["scontrol", "hold", job_id], capture_output=True, text=True, timeout=60)
+    if held.returncode:
+        raise subprocess.CalledProcessError(held.returncode, held.args, held.stdout, held.stderr)
+    try:
+        upd = run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
+                  capture_output=True, text=True, timeout=60)
+        if upd.returncode:
+            print(f"vitp: job {job_id}: ExcNodeList={','.join(nodes)} refused ({(upd.stderr or '').strip()})",
+                  file=sys.stderr, flush=True)
+    finally:
+        run(["scontrol", "release", job_id], check=True, capture_output=True, text=True, timeout=60)
+    print(f"Requeued job {job_id} (restart {restart_count() + 1}) without {','.join(nodes)}", file=sys.stderr,
+          flush=True)
+    return upd.returncode == 0
 
 
 def parse_term_cause(scontrol_text: str) -> Stop:

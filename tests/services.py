@@ -1,4 +1,4 @@
-"""Real services for the tests: a two-node SLURM cluster and an MLflow tracking server.
+"""Real services for the tests: a three-node SLURM cluster and an MLflow tracking server.
 
 Both are started by the scripts in launch/services/ (the same ones `make` and CI use). A fixture reuses a
 service that is already running (the Makefile brings them up once and exports the env vars below),
@@ -67,16 +67,19 @@ def _check(proc: subprocess.CompletedProcess, what: str) -> str:
 @dataclass(frozen=True)
 class SlurmCluster:
     """The local cluster: submit to `partition`; jobs land on `nodes` (all on this host). A job in
-    `urgent` (higher PriorityTier, same nodes) preempts `partition`'s jobs: SIGTERM, GraceTime, requeue."""
+    `urgent` (higher PriorityTier, same nodes) preempts `partition`'s jobs: SIGTERM, GraceTime, requeue.
+    `faults` spans `faults_nodes`, one more than `nodes`: a job that leaves a node out runs on the others."""
 
     partition: str = "debug"
     urgent: str = "urgent"
     nodes: tuple[str, ...] = ("node1", "node2")
+    faults: str = "faults"
+    faults_nodes: tuple[str, ...] = ("node1", "node2", "node3")
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A running two-node SLURM cluster -> SlurmCluster(partition="debug", nodes=("node1", "node2"))."""
+    """A running SLURM cluster -> SlurmCluster(partition="debug", nodes=("node1", "node2"), faults=...)."""
     if os.environ.get("VITP_SLURM") == "1":
         if _run(SLURM_SH, "status").returncode != 0:
             pytest.fail("VITP_SLURM=1 but launch/services/slurm.sh status says the cluster is down", pytrace=False)

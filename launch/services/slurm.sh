@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# A two-node SLURM cluster on this host, for the end-to-end tests: munged + slurmctld + `slurmd -N node1`
-# + `slurmd -N node2`, all as root, all state under $VITP_SERVICES_DIR/slurm.
+# A three-node SLURM cluster on this host, for the end-to-end tests: munged + slurmctld + `slurmd -N node1`
+# + `slurmd -N node2` + `slurmd -N node3`, all as root, all state under $VITP_SERVICES_DIR/slurm.
 #
 # Usage: launch/services/slurm.sh up|down|status
 #
-#   up      start whatever is not running yet, wait until both nodes are idle (no-op when already up)
+#   up      start whatever is not running yet, wait until every node is idle (no-op when already up; a
+#           running cluster of an older config of this script, e.g. two nodes, is taken down and restarted)
 #   down    cancel jobs still on the cluster, stop the daemons `up` started (by pid file only)
 #   status  print each daemon and `sinfo`; exit 0 only when the cluster answers
 #
@@ -15,14 +16,15 @@
 #                          needs nothing exported; a custom path must be exported to them too.
 #   VITP_SLURM_TIMEOUT     seconds to wait for the nodes to become idle (default 60)
 #   VITP_SLURMCTLD_PORT    slurmctld port (default 17000)
-#   VITP_SLURMD_PORT       first slurmd port (default 17001; node2 uses the next one)
-#   VITP_SLURM_NODE_CPUS   CPUs each node advertises (default 4; both nodes share this host's cores)
+#   VITP_SLURMD_PORT       first slurmd port (default 17001; node2 and node3 use the next ones)
+#   VITP_SLURM_NODE_CPUS   CPUs each node advertises (default 4; the nodes share this host's cores)
 #   VITP_SLURM_GRACE_S     preemption grace time of partition debug (default 60)
 #
-# Partitions (both over node1, node2):
-#   debug   the default; its jobs can be preempted (requeued) by jobs of `urgent`
-#   urgent  PriorityTier 2: a job here preempts debug jobs it needs the nodes of, as a production
-#           cluster's high-priority queue does (SIGCONT + SIGTERM, GraceTime seconds, then requeue)
+# Partitions:
+#   debug   node1, node2; the default; its jobs can be preempted (requeued) by jobs of `urgent`
+#   urgent  node1, node2; PriorityTier 2: a job here preempts debug jobs it needs the nodes of, as a
+#           production cluster's high-priority queue does (SIGCONT + SIGTERM, GraceTime seconds, requeue)
+#   faults  node1, node2, node3: a 2-node job that leaves a bad node out still has two nodes to run on
 #
 # A second, isolated cluster (e.g. to test `down` while another one serves) needs its own
 # VITP_SERVICES_DIR, SLURM_CONF and ports; node names and everything else stay the same.
@@ -40,7 +42,7 @@ CTLD_PORT="${VITP_SLURMCTLD_PORT:-17000}"
 SLURMD_PORT="${VITP_SLURMD_PORT:-17001}"
 NODE_CPUS="${VITP_SLURM_NODE_CPUS:-4}"
 GRACE_S="${VITP_SLURM_GRACE_S:-60}"
-NODES=(node1 node2)
+NODES=(node1 node2 node3)
 MARKER="# vitp local test cluster (written by launch/services/slurm.sh)"
 MUNGE_SOCKET="$SDIR/munge/munge.socket"
 MUNGE_PID="$SDIR/munge/munged.pid"
@@ -86,6 +88,8 @@ write_conf() {
     #    partition `urgent` preempts debug jobs the way production clusters do: SIGCONT + SIGTERM to the
     #    tasks (no USR2: no PreemptParameters=send_user_signal), GraceTime seconds to save, then SIGKILL
     #    and the job goes back to the queue.
+    #  - node3 only in partition `faults`: debug and urgent keep two nodes, so a preemption there still
+    #    needs the nodes of the job it preempts.
     cat >"$CONF.tmp" <<EOF
 $MARKER
 ClusterName=vitp
@@ -125,10 +129,16 @@ InactiveLimit=0
 Waittime=0
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-NodeName=node[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + 1)) CPUs=$NODE_CPUS RealMemory=8000 State=UNKNOWN
+NodeName=node[1-3] NodeHostname=$host NodeAddr=127.0.0.1 Port=$SLURMD_PORT-$((SLURMD_PORT + 2)) CPUs=$NODE_CPUS RealMemory=8000 State=UNKNOWN
 PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=$GRACE_S
 PartitionName=urgent Nodes=node[1-2] MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+PartitionName=faults Nodes=node[1-3] MaxTime=INFINITE State=UP PriorityTier=1
 EOF
+    # slurmctld reads its node table at start only: a running cluster of another config restarts
+    if [[ -f $CONF ]] && ! cmp -s "$CONF.tmp" "$CONF" && pid_alive "$CTLD_PID" slurmctld; then
+        log "config changed ($CONF): restarting the cluster"
+        cmd_down
+    fi
     mv "$CONF.tmp" "$CONF"
 }
 
@@ -175,7 +185,7 @@ start_slurmd() {
 nodes_idle() {
     # Every node in a usable state (idle, or already running jobs when `up` finds the cluster up).
     local states
-    states=$(sinfo -h -N -p debug -o '%N %t' 2>/dev/null) || return 1
+    states=$(sinfo -h -N -o '%N %t' 2>/dev/null) || return 1
     local n
     for n in "${NODES[@]}"; do
         grep -Eq "^$n (idle|mix|alloc)\$" <<<"$states" || return 1
@@ -206,10 +216,10 @@ cmd_up() {
     for n in "${NODES[@]}"; do start_slurmd "$n"; done
     if ! wait_for "$TIMEOUT" "nodes ${NODES[*]} to be idle" nodes_idle; then
         sinfo -N >&2 || true
-        tail_logs "$CTLD_LOG" "$(slurmd_log node1)" "$(slurmd_log node2)"
+        tail_logs "$CTLD_LOG" "$(slurmd_log node1)" "$(slurmd_log node2)" "$(slurmd_log node3)"
         die "cluster did not become ready"
     fi
-    log "up: partitions debug, urgent (preempts debug), nodes ${NODES[*]} (config $CONF)"
+    log "up: partitions debug, urgent (preempts debug), faults (3 nodes), nodes ${NODES[*]} (config $CONF)"
 }
 
 cmd_down() {

@@ -367,6 +367,16 @@ class ClusterCfg(Section):
     max_requeues: Int = Field(3, ge=0)  # time-limit requeues (USR2); preemptions are not counted
     hang_dump_s: Float = Field(600.0, ge=0)  # no step this long: stacks to hang.<rank>.txt, requeued (0: off)
     max_failures: Int = Field(2, ge=0)  # attempts that failed (a rank died or raised) requeued before giving up
+    # nodes the job leaves out (sbatch --exclude); None: those the run dir's earlier jobs left out, [] none
+    exclude_nodes: List(Str) | None = None
+    max_excluded_nodes: Int = Field(2, ge=0)  # nodes a job leaves out after a failure that points at them
+
+    @model_validator(mode="after")
+    def _node_names(self):
+        bad = [n for n in self.exclude_nodes or [] if not re.fullmatch(r"[\w.-]+", n)]
+        if bad:
+            raise _problem(f"cluster.exclude_nodes: {bad[0]!r}: one node name per entry ([A-Za-z0-9_.-])")
+        return self
 
 
 class InitCfg(Section):

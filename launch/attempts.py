@@ -195,8 +195,8 @@ def _exclusion(fault: nodes.Fault, then: Next, why_not: str | None, events: list
     partition = env.get("SLURM_JOB_PARTITION")
     add, kept, fails = nodes.leave_out(fault.node, already, max_excluded, needed,
                                        pool(partition) if callable(pool) else pool, partition)
-    if fails:
-        return fields, Next.FAIL, fails
+    if fails:  # a job that fails anyway keeps its own reason
+        return fields, Next.FAIL, why_not if then != Next.REQUEUE else fails
     fields.update({"excluded": add} if add else {"kept": kept})
     return fields, then, why_not
 

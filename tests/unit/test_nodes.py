@@ -231,3 +231,19 @@ def test_vitp_submit_adds_the_carried_nodes_and_refuses_too_few_left(tmp_path, c
         check_nodes(cfg, "pretrain", "slurm")
     assert str(e.value) == ("cluster.exclude_nodes: without node2 partition debug keeps 1 of its 2 nodes, fewer "
                             "than cluster.nodes=2")
+
+
+def test_a_job_out_of_failures_still_records_the_node_for_its_resubmission(tmp_path):
+    calls = []
+    env = _attempt(tmp_path, 0, "node2", "RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert end_of_attempt(tmp_path, 1, 0, environ=env, requeue=lambda *a: calls.append(a), pool=POOL) == 1
+    assert calls == []
+    last = read_events(tmp_path / "12")[-1]
+    assert (last["excluded"], last["requeued"]) == (["node2"], False)
+    assert describe(last) == ("attempt 0: failed: rank 1 on node2: CUDA error; node2 excluded; not requeued "
+                              "(cluster.max_failures=0 used up)")
+    # the same with too few nodes left: the job's own reason stays
+    env = _attempt(tmp_path, 1, "node3", "RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert end_of_attempt(tmp_path, 1, 0, environ=env, requeue=lambda *a: calls.append(a), pool=POOL) == 1
+    assert describe(read_events(tmp_path / "12")[-1]) == ("attempt 1: failed: rank 1 on node3: CUDA error; not "
+                                                          "requeued (cluster.max_failures=0 used up)")

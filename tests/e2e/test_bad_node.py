@@ -1,0 +1,73 @@
+"""A bad node left out, for real on the local cluster's partition `faults` (node1-node3, 2 nodes x 1 task):
+the rank on node2 dies with a CUDA error's record (the test fault; a real GPU fault cannot be caused
+here), the batch script requeues the job held, sets ExcNodeList=node2 and releases it (SLURM 22.05 refuses
+the update for a running job), the second attempt runs on node1 and node3 and the run ends bit-identical
+to an undisturbed one; a resubmission of the run dir leaves node2 out again, and nodes left out that
+leave the partition too few for the job are refused before anything is queued.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from launch.attempts import read_events
+from launch.jobs import read_index
+from tests.e2e.test_cluster_faults import COMMON, STEPS, Reference, jobs_listing, same_run
+from tests.e2e.test_submit_slurm import cli, job_id
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+BAD = "node2"
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster, tmp_path_factory) -> Reference:
+    return Reference(tmp_path_factory.mktemp("reference"))
+
+
+def job_nodes(jid: str) -> tuple[list[str], str]:
+    """(the nodes the job's last attempt ran on, its ExcNodeList), from slurmctld (MinJobAge keeps it)."""
+    r = subprocess.run(["scontrol", "show", "job", "-o", jid], capture_output=True, text=True, check=True)
+    fields = dict(kv.split("=", 1) for kv in r.stdout.split() if "=" in kv)
+    hosts = subprocess.run(["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True, text=True,
+                           check=True).stdout.split()
+    return hosts, fields.get("ExcNodeList", "")
+
+
+def test_a_rank_dead_of_a_gpu_fault_leaves_its_node_out_and_the_run_ends_like_an_undisturbed_one(
+        reference, slurm_cluster, tmp_path):
+    jobs, run = tmp_path / "jobs", tmp_path / "run"
+    ref = reference.finished()  # idle nodes: the first attempt takes node1 and node2, SLURM's first fit
+    where = [f"run.dir={run}", f"cluster.log_dir={jobs}", f"cluster.partition={slurm_cluster.faults}"]
+    r = cli([*COMMON, *where, "--wait"], {"VITP_TEST_CUDA_ERROR_AT_STEP": "6", "VITP_TEST_FAULT_NODE": BAD},
+            timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    jid = job_id(r.stdout)
+    ev = read_events(jobs / jid)
+    assert [(e["event"], e["restart"]) for e in ev] == [("failed", 0), ("completed", 1)], ev
+    assert (ev[0]["node"], ev[0]["fault"], ev[0]["excluded"], ev[0]["requeued"]) == (BAD, "CUDA error", [BAD], True)
+    assert ev[0]["error"].startswith("RuntimeError: CUDA error: uncorrectable ECC error encountered")
+    ran_on, excluded = job_nodes(jid)
+    assert sorted(ran_on) == [n for n in slurm_cluster.faults_nodes if n != BAD] and excluded == BAD
+    same_run(run, ref)
+    listing = jobs_listing(jobs)
+    assert listing[2:] == [f"  attempt 0: failed: rank {ev[0]['rank']} on {BAD}: CUDA error; {BAD} excluded; requeued",
+                           f"  attempt 1: completed at step {STEPS}"]
+
+    # the run dir's next job leaves node2 out too, unless cluster.exclude_nodes says otherwise
+    again = cli([*COMMON, *where, "--dry-run"])
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["slurm_exclude"] == BAD
+    assert again.stderr.splitlines() == [f"run.dir {run}: leaving out {BAD} as job {jid} did "
+                                         "(cluster.exclude_nodes=[] to use every node)"]
+    cleared = cli([*COMMON, *where, "cluster.exclude_nodes=[]", "--dry-run"])
+    assert cleared.returncode == 0 and "slurm_exclude" not in json.loads(cleared.stdout), cleared.stderr
+    # nodes left out that leave fewer than the job needs: one line, nothing queued (not pending for good)
+    few = cli([*COMMON, *where, "cluster.exclude_nodes=[node1,node3]"])
+    assert few.returncode == 2 and few.stderr.strip().splitlines() == [
+        f"error: cluster.exclude_nodes: without node1, node3 partition {slurm_cluster.faults} keeps 1 of its 3 nodes, "
+        "fewer than cluster.nodes=2"]
+    assert [e["job_id"] for e in read_index(jobs)] == [jid]

@@ -3,8 +3,9 @@
 An attempt that failed (launch/attempts.py, the batch script after srun) is blamed on a node when
 
 - the dead rank's error record names a CUDA or NCCL error (not CUDA's out-of-memory, which is the run's),
-- an Xid line of the NVIDIA driver (``NVRM: Xid (PCI:...): 79, ...``) is in this attempt's log, except
-  the Xids NVIDIA documents as the application's (13, 31, 43, 45), or
+- an Xid line of the NVIDIA driver (``NVRM: Xid (PCI:...): 79, ...``) is in the dead rank's log of this
+  attempt (where a site's tooling echoes the kernel's), except the Xids NVIDIA documents as the
+  application's (13, 31, 43, 45), or
 - srun reports the node lost (``srun: error: Node failure on node2``; SLURM's NODE_FAIL).
 
 Such a node is recorded in the attempt's line of events.jsonl (``"excluded": ["node2"]``, the
@@ -80,7 +81,7 @@ def find_fault(log_text: str, why: dict, rank_log: str = "") -> Fault | None:
         return Fault(lost["node"].split(",")[0], "node failure")
     if str(why.get("error") or "").startswith("hung:"):
         return None  # a stuck rank's own doing, as far as anyone can tell
-    reason = error_fault(why.get("error")) or xid_fault(log_text) or xid_fault(rank_log)
+    reason = error_fault(why.get("error")) or xid_fault(rank_log)  # the batch log is no rank's in particular
     node = node_of(log_text, why.get("rank"))
     return Fault(node, reason) if node and reason else None
 

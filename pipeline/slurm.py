@@ -35,7 +35,7 @@ def requeue_excluding(job_id: str, nodes: list[str], run=subprocess.run) -> bool
     calling batch script (SIGTERM, KillWait, SIGKILL), so SIGTERM is ignored until the release is sent.
     -> whether the update took (a refused one is reported; the job is released either way)."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the scontrol children too
     held = run(["scontrol", "requeuehold", job_id], capture_output=True, text=True, timeout=60)
     if held.returncode and "pending" in (held.stderr or "").lower():
         held = run(["scontrol", "hold", job_id], capture_output=True, text=True, timeout=60)

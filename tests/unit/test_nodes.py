@@ -48,7 +48,8 @@ def test_find_fault_names_the_node_of_the_dead_rank_or_the_lost_node():
     xid = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.\n"
     assert find_fault(srun, killed, rank_log=xid) == Fault("node2", "Xid 79")
     app_xid = "NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception: ESR 0x404490=0x80000001\n"
-    assert find_fault(srun + app_xid, killed) is None  # Xid 13: the application's, not the GPU's
+    assert find_fault(srun, killed, rank_log=app_xid) is None  # Xid 13: the application's, not the GPU's
+    assert find_fault(srun + xid, killed) is None  # the batch log's lines say no node
     lost = "srun: error: Node failure on node3\nsrun: error: node1: task 0: Exited with exit code 3\n"
     assert find_fault(lost, {"rank": 0, "error": "exit code 3", "retry": True}) == Fault("node3", "node failure")
     hung = {"rank": 1, "error": "hung: no progress for 600s, stuck in NCCL error (x.py:1)", "retry": True}
@@ -247,3 +248,20 @@ def test_a_job_out_of_failures_still_records_the_node_for_its_resubmission(tmp_p
     assert end_of_attempt(tmp_path, 1, 0, environ=env, requeue=lambda *a: calls.append(a), pool=POOL) == 1
     assert describe(read_events(tmp_path / "12")[-1]) == ("attempt 1: failed: rank 1 on node3: CUDA error; not "
                                                           "requeued (cluster.max_failures=0 used up)")
+
+
+def test_an_xid_in_the_dead_ranks_log_of_this_attempt_blames_its_node(tmp_path):
+    calls = []
+    start = "vitp: pretrain rank 1/2 local 0/1 master node1:29500 restart {}\n"
+    xid = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, GPU has fallen off the bus.\n"
+    env = _attempt(tmp_path, 1, "node2", None)  # srun: node2: task 1: Killed, no error record
+    (tmp_path / "12" / "12_1_log.err").write_text(start.format(0) + xid + start.format(1) + "step 5\n")
+    assert end_of_attempt(tmp_path, 137, 5, environ=env, requeue=lambda *a: calls.append(a), pool=POOL) == 0
+    assert calls == [("12",)]  # attempt 0's Xid is not this attempt's
+    env = _attempt(tmp_path, 2, "node2", None)
+    with open(tmp_path / "12" / "12_1_log.err", "a") as f:
+        f.write(start.format(2) + xid)
+    assert end_of_attempt(tmp_path, 137, 5, environ=env, requeue=lambda *a: calls.append(a), pool=POOL) == 0
+    assert calls[-1] == ("12", ["node2"])
+    assert describe(read_events(tmp_path / "12")[-1]) == ("attempt 2: failed: rank 1 on node2: Xid 79; node2 "
+                                                          "excluded; requeued")

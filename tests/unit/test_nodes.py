@@ -150,7 +150,7 @@ def test_requeue_excluding_holds_updates_and_releases():
     assert slurm.requeue_excluding("12", ["node2", "node3"], run=scontrol({})) is True
     assert calls == [["requeuehold", "12"], ["update", "JobId=12", "ExcNodeList=node2,node3"], ["release", "12"]]
     calls.clear()  # SLURM requeued it itself (its node failed): pending already, so held instead
-    pending = {"requeuehold": (1, "Requeue of JobId=12 returned an error: Job is pending execution\n"),
+    pending = {"requeuehold": (1, "Job is pending execution for job 12\n"),  # scontrol 22.05's words
                "update": (1, "Job is no longer pending execution for JobId=12\n")}
     assert slurm.requeue_excluding("12", ["node2"], run=scontrol(pending)) is False  # refused: released anyway
     assert calls == [["requeuehold", "12"], ["hold", "12"], ["update", "JobId=12", "ExcNodeList=node2"],

@@ -88,8 +88,8 @@ write_conf() {
     #    partition `urgent` preempts debug jobs the way production clusters do: SIGCONT + SIGTERM to the
     #    tasks (no USR2: no PreemptParameters=send_user_signal), GraceTime seconds to save, then SIGKILL
     #    and the job goes back to the queue.
-    #  - node3 only in partition `faults`: debug and urgent keep two nodes, so a preemption there still
-    #    needs the nodes of the job it preempts.
+    #  - node3 only in partition `faults` (a job that leaves a node out runs on the other two): debug and
+    #    urgent keep the same two nodes, so an urgent job still has to preempt a debug one to run.
     cat >"$CONF.tmp" <<EOF
 $MARKER
 ClusterName=vitp

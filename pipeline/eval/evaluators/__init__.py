@@ -37,7 +37,7 @@ import torch
 from pydantic import create_model
 
 from pipeline.config import ConfigError, DataCfg, EvalEntry, Section, build, fewshot_sets
-from pipeline.data import check_splits, minival_source, source_for
+from pipeline.data import check_splits, source_for
 from pipeline.eval.task import Task
 
 __all__ = ["Context", "Declared", "Evaluator", "NoOptions", "Results", "check_data", "declare", "eval_entries",
@@ -217,14 +217,14 @@ def _wrap(schema: type[Section]) -> type[Section]:
     return _WRAPPED[schema]
 
 
-def check_data(declared: list[Declared], data: DataCfg) -> None:
-    """Every split each entry reads is in its dataset (``data``'s path unless the entry names one; the
-    held-out ``minival`` split as ``data`` holds it out): one line naming the key, the file and the
-    splits it has. Reads only the datasets' descriptions."""
+def check_data(declared: list[Declared], path: str, minival_from: str | None = None) -> None:
+    """Every split each entry reads is in its dataset (``path`` unless the entry names one; split
+    ``minival`` is held out of ``minival_from``, :func:`pipeline.data.minival_source` of the run's data
+    section): one line naming the key, the file and the splits it has. Reads only the datasets'
+    descriptions."""
     for d in declared:
-        own = data if not d.entry.data else data.model_copy(update={"path": d.entry.data})
         for s in d.cls.splits:
-            check_splits(own.path, {d.split_key(s): getattr(d.entry, s)}, minival_from=minival_source(own))
+            check_splits(d.entry.data or path, {d.split_key(s): getattr(d.entry, s)}, minival_from=minival_from)
 
 
 def run_entries(cfg) -> list[tuple[str, EvalEntry]]:

@@ -28,6 +28,7 @@ eval`'s flags are entries on ``eval.split`` (``--evals FILE`` replaces them).
 from __future__ import annotations
 
 import importlib
+import itertools
 import pkgutil
 import re
 from dataclasses import dataclass, field
@@ -114,15 +115,20 @@ class Evaluator:
 
 
 @torch.no_grad()
-def prelogits(model, batches, ctx: Context, normalize, on_batch=lambda b: None) -> list[torch.Tensor]:
+def prelogits(model, batches, ctx: Context, normalize, on_batch=lambda b: None,
+              max_images: int | None = None) -> list[torch.Tensor]:
     """Pre-logit features (the head's input, read by a hook: ``model`` may be the training engine,
     whose forward ZeRO-3 needs) of ``batches`` of (uint8 images, labels, valid, *more [B]) ->
     [features [n, D] float32, labels [n], *more [n]] on the host, valid rows only. The features stay
-    on the device until the last batch: one copy back, no sync per batch."""
+    on the device until the last batch: one copy back, no sync per batch. ``max_images``: only this
+    rank's first that many; it reads the ``ctx.batch``-sized batches that hold them, as many on every
+    rank (the cap is the same everywhere and the ranks' batch counts are equal)."""
     head = getattr(getattr(model, "module", model), "head", None)
     got: list[torch.Tensor] = []
     hook = head.register_forward_pre_hook(lambda _m, a: got.append(a[0])) if head is not None else None
     feats, cols = [], []
+    if max_images is not None:
+        batches = itertools.islice(batches, min(len(batches), -(-max_images // ctx.batch)))
     try:
         for b, (x, *rest) in enumerate(batches):
             x = normalize(x.to(ctx.device, non_blocking=True)).to(ctx.dtype)
@@ -138,7 +144,7 @@ def prelogits(model, batches, ctx: Context, normalize, on_batch=lambda b: None) 
     if not feats:
         return [torch.zeros(0, 0), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)]
     labels, valid, *more = (torch.cat(c) for c in zip(*cols))
-    return [torch.cat(feats).cpu()[valid], labels[valid], *(m[valid] for m in more)]
+    return [t[:max_images] for t in (torch.cat(feats).cpu()[valid], labels[valid], *(m[valid] for m in more))]
 
 
 @dataclass

@@ -64,9 +64,6 @@ def count(events: list[dict], kind: str) -> int:
     return sum(e.get("event") == kind for e in events)
 
 
-retried = stops.retried  # errors say it by their class (pipeline.stops.Classified)
-
-
 def describe(event: dict) -> str:
     """One attempt's end for `vitp jobs`, e.g. "attempt 1: failed: rank 1 killed by SIGKILL; requeued"."""
     kind, step = event.get("event", "?"), event.get("step")

@@ -161,8 +161,8 @@ def check_data(cfg, stage: str) -> None:
         raise SubmitError("data.path: empty; set data.path=<a `vitp prep` output folder>")
     check_addresses(cfg, stage)  # remote datasets answer (bucket, 403, 404) before their splits are read
     try:
-        check_splits(path, splits_read(cfg, stage), minival_from=minival_source(cfg.data))
-        check_evaluators_data(evaluators_of(cfg, stage), cfg.data)  # the declared evaluators' splits
+        check_splits(path, splits_read(cfg, stage), minival_from=(held := minival_source(cfg.data)))
+        check_evaluators_data(evaluators_of(cfg, stage), path, held)  # the declared evaluators' splits
     except DataError as e:
         raise SubmitError(str(e)) from None
     if stage == "eval" or cfg.data.resampled or is_synthetic(path):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pipeline.config import ConfigError, EvalConfig, flatten
-from pipeline.data import DataError, dataset_inputs, read_info
+from pipeline.data import DataError, dataset_inputs, minival_source, read_info
 from pipeline.distributed import comm_device, rank_world, setup
 from pipeline.eval import evaluators as evals
 from pipeline.eval.classify import write_results
@@ -84,7 +84,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
         raise ConfigError("eval.checkpoint: give the run directory or weights file to evaluate")
     declared = evals.declare(evals.eval_entries(cfg))
     try:
-        evals.check_data(declared, cfg.data)
+        evals.check_data(declared, cfg.data.path, minival_source(cfg.data))
     except DataError as err:
         raise FileNotFoundError(str(err)) from None
     setup(cfg)

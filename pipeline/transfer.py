@@ -6,7 +6,8 @@
       --new zero-initialised K-way head (optionally keep the pre-logits layer)-->
       --the one training loop (same DeepSpeed engine, checkpoints, MLflow) with SGD momentum,
         no weight decay, cosine decay after warm-up, clip 1.0; optional layer-wise lr decay-->
-      --top-1/top-5, per-class accuracy, confusion matrix on val --> RUN_DIR/results.json
+      --top-1/top-5, per-class accuracy, confusion matrix on val, and the declared
+        `evals:` entries --> RUN_DIR/results.json
 
     vitp transfer --config configs/transfer/tiny_cpu.yaml init.from=runs/pre data.path=shards/
 """
@@ -55,6 +56,8 @@ def transfer(cfg: Config) -> Result:
         if cfg.eval.linear_probe:
             entries.append(("eval.linear_probe", EvalEntry(name="linear_probe", type="linear_probe",
                                                            train_split=cfg.data.train_split, test_split=split)))
+        # the declared evals: also score the published weights, into results.json (a suite's final columns)
+        entries += [(key, e) for key, e in evals.run_entries(cfg) if key.startswith("evals[")]
         ctx = evals.Context(cfg.data, Task.of(read_info(cfg.data.path), cfg.train.loss), img_size=cfg.model.img_size,
                             batch=cfg.eval.batch, device=device, rank=run.rank, world=run.world, report=True,
                             out_dir=Path(cfg.run.dir), autocast=torch.bfloat16 if device.type == "cuda" else None)

@@ -32,12 +32,10 @@ from pipeline.config.prep import PrepCfg, PrepConfig, prep_cfg
 from pipeline.config.sections import (
     CheckpointCfg,
     ClusterCfg,
-    Config,
     ConfigError,
     DataCfg,
     EngineCfg,
     EvalCfg,
-    EvalConfig,
     EvalEntry,
     HardwareCfg,
     InitCfg,
@@ -46,13 +44,11 @@ from pipeline.config.sections import (
     RunCfg,
     ScheduleCfg,
     Section,
-    StageConfig,
     TrackingCfg,
     TrainCfg,
     fewshot_sets,
-    validate,
-    world_size_from_env,
 )
+from pipeline.config.stages import Config, EvalConfig, StageConfig, validate, world_size_from_env
 
 __all__ = [
     "RESOURCE_SECTIONS", "CheckpointCfg", "ClusterCfg", "Config", "ConfigError", "DataCfg", "EngineCfg", "EvalCfg",

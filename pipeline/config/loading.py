@@ -12,7 +12,8 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from pipeline.config.sections import Config, ConfigError, Float, StageConfig
+from pipeline.config.sections import ConfigError, Float
+from pipeline.config.stages import Config, StageConfig
 from pipeline.secrets import has_secret, redact, restore
 
 

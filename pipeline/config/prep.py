@@ -1,6 +1,6 @@
 """Prep's one schema: what `vitp prep` and `vitp submit prep` both parse into (data_prep/cli.py makes
 each field its flag, ``--field-name``), what `prep()` takes and what an array task of `vitp submit prep`
-is handed in its config (:class:`~pipeline.config.sections.PrepConfig`'s ``prep`` section).
+is handed in its config (:class:`~pipeline.config.prep.PrepConfig`'s ``prep`` section).
 
 Standard library and pydantic only: data_prep imports it (tests/unit/test_import_rules.py).
 """
@@ -11,7 +11,6 @@ import os
 from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, ValidationInfo, field_validator, model_validator
-from pydantic_core import PydanticCustomError
 
 from pipeline.config.sections import (
     Bool,
@@ -22,9 +21,10 @@ from pipeline.config.sections import (
     HardwareCfg,
     Int,
     Section,
-    StageConfig,
     Str,
+    problem,
 )
+from pipeline.config.stages import StageConfig
 
 DEFAULT_MAX_SAMPLES_PER_SHARD = 5000  # the cap when no --shard-size is given
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's decompression-bomb limit
@@ -36,8 +36,6 @@ HASH_BITS = 64
 MAX_NEAR_THRESHOLD = 24  # two random 64-bit hashes lie 32 +- 4 bits apart: beyond this, chance matches
 
 
-def _problem(message: str) -> PydanticCustomError:
-    return PydanticCustomError("vitp_check", "{message}", {"message": message})
 
 
 def _path_or_names(v):
@@ -48,14 +46,14 @@ def _path_or_names(v):
         return list(v)
     if isinstance(v, str):
         return v
-    raise _problem(f"--classes: expected a file or a list of names, got {v!r}")
+    raise problem(f"--classes: expected a file or a list of names, got {v!r}")
 
 
 def _names(v):
     """``"test,val"`` or a list: split names, no empty one."""
     items = v.split(",") if isinstance(v, str) else v
     if not isinstance(items, (list, tuple)):
-        raise _problem(f"expected names separated by commas, got {v!r}")
+        raise problem(f"expected names separated by commas, got {v!r}")
     return [str(x).strip() for x in items]
 
 
@@ -63,7 +61,7 @@ def _addresses(v):
     if isinstance(v, (str, os.PathLike)):
         v = [v]
     if not isinstance(v, (list, tuple)):
-        raise _problem(f"--exclude-near: expected a list of addresses, got {v!r}")
+        raise problem(f"--exclude-near: expected a list of addresses, got {v!r}")
     return [os.fspath(x) if isinstance(x, os.PathLike) else x for x in v]
 
 
@@ -106,14 +104,14 @@ class PrepCfg(Section):
     @model_validator(mode="after")
     def _combinations(self):
         if self.resize_shorter is not None and self.resize_longer is not None:
-            raise _problem("--resize-shorter, --resize-longer: give one of them, not both")
+            raise problem("--resize-shorter, --resize-longer: give one of them, not both")
         if self.exclude_near_splits is not None:
             if not self.exclude_near:
-                raise _problem("--exclude-near-splits: given without --exclude-near")
+                raise problem("--exclude-near-splits: given without --exclude-near")
             if not self.exclude_near_splits or not all(self.exclude_near_splits):
-                raise _problem(f"--exclude-near-splits: an empty split name in {self.exclude_near_splits}")
+                raise problem(f"--exclude-near-splits: an empty split name in {self.exclude_near_splits}")
         if len(set(self.exclude_near)) != len(self.exclude_near):
-            raise _problem(f"--exclude-near: the same test set twice in {self.exclude_near}")
+            raise problem(f"--exclude-near: the same test set twice in {self.exclude_near}")
         return self
 
     @property

@@ -1,20 +1,19 @@
 """The config schema: each section a pydantic model that checks its fields (YAML's types as they are,
-ranges) and its own combinations; each stage's root (:class:`Config`, :class:`EvalConfig`, and
-pipeline/config/prep.py's ``PrepConfig``) holds the sections that stage reads and checks what spans them
-(:func:`validate`).
+ranges) and its own combinations; each stage's root (pipeline/config/stages.py's ``Config`` and
+``EvalConfig``, pipeline/config/prep.py's ``PrepConfig``) holds the sections that stage reads and
+checks what spans them (``validate``).
 A refused value raises a pydantic ValidationError whose first error pipeline/config/loading.py turns
 into the one :class:`ConfigError` line naming the key.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from pipeline.stops import Classified
@@ -95,7 +94,7 @@ def List(item):  # noqa: N802 (a type)
     return Annotated[list[item], BeforeValidator(_list)]
 
 
-def _problem(message: str) -> PydanticCustomError:
+def problem(message: str) -> PydanticCustomError:
     """A combination a validator refuses; ``message`` already names the key."""
     return PydanticCustomError("vitp_check", "{message}", {"message": message})
 
@@ -144,16 +143,16 @@ class ModelCfg(Section):
     @model_validator(mode="after")
     def _shape(self):
         if self.name is None and None in (self.width, self.depth, self.heads, self.mlp_dim, self.patch):
-            raise _problem("model: give model.name (e.g. vit_b16) or all of width, depth, heads, mlp_dim, patch")
+            raise problem("model: give model.name (e.g. vit_b16) or all of width, depth, heads, mlp_dim, patch")
         patch = self.patch if self.patch is not None else _variant_patch(self.name)
         if patch and self.img_size % patch:
-            raise _problem(f"model.img_size: {self.img_size} is not divisible by the patch size {patch}")
+            raise problem(f"model.img_size: {self.img_size} is not divisible by the patch size {patch}")
         if self.width and self.heads and self.width % self.heads:
-            raise _problem(f"model.heads: width {self.width} is not divisible by {self.heads} heads")
+            raise problem(f"model.heads: width {self.width} is not divisible by {self.heads} heads")
         if not self.class_token and self.pool == "token":
-            raise _problem("model.pool: 'token' pooling needs model.class_token=true (use pool=gap)")
+            raise problem("model.pool: 'token' pooling needs model.class_token=true (use pool=gap)")
         if self.patch_drop >= 1:
-            raise _problem(f"model.patch_drop: a fraction of patches in [0, 1) (0 = off); got {self.patch_drop}")
+            raise problem(f"model.patch_drop: a fraction of patches in [0, 1) (0 = off); got {self.patch_drop}")
         return self
 
 
@@ -188,17 +187,17 @@ class DataCfg(Section):
     def _crop(self):
         s = self.crop_scale
         if len(s) != 2 or not 0 < s[0] <= s[1] <= 1:
-            raise _problem(f"data.crop_scale: need [lo, hi] with 0 < lo <= hi <= 1; got {s}")
+            raise problem(f"data.crop_scale: need [lo, hi] with 0 < lo <= hi <= 1; got {s}")
         return self
 
     @model_validator(mode="after")
     def _minival(self):
         if self.minival_fraction and (self.train_limit is not None or self.minival_limit is not None):
-            raise _problem("data.minival_fraction: set it or data.train_limit/data.minival_limit, not both")
+            raise problem("data.minival_fraction: set it or data.train_limit/data.minival_limit, not both")
         if self.minival_limit and self.train_limit is None:
-            raise _problem("data.minival_limit: needs data.train_limit (the examples kept to train on)")
+            raise problem("data.minival_limit: needs data.train_limit (the examples kept to train on)")
         if (self.minival_fraction or self.train_limit is not None) and self.path.startswith("synthetic"):
-            raise _problem("data.minival_fraction: a minival is held out of a `vitp prep` dataset's train split, "
+            raise problem("data.minival_fraction: a minival is held out of a `vitp prep` dataset's train split, "
                            f"not of {self.path!r}")
         return self
 
@@ -217,7 +216,7 @@ class OptimCfg(Section):
     @model_validator(mode="after")
     def _betas(self):
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise _problem(f"optim.betas: need two values in [0, 1); got {self.betas}")
+            raise problem(f"optim.betas: need two values in [0, 1); got {self.betas}")
         return self
 
 
@@ -241,7 +240,7 @@ class TrainCfg(Section):
     @model_validator(mode="after")
     def _batch(self):
         if self.micro_batch > self.global_batch:
-            raise _problem(f"train.micro_batch: {self.micro_batch} is larger than train.global_batch "
+            raise problem(f"train.micro_batch: {self.micro_batch} is larger than train.global_batch "
                            f"{self.global_batch}")
         return self
 
@@ -280,20 +279,20 @@ class EngineCfg(Section):
     @classmethod
     def _renamed(cls, data):
         if isinstance(data, dict) and "dist_timeout_s" in data:
-            raise _problem("engine.dist_timeout_s: replaced by engine.rendezvous_timeout_s (joining the group, "
+            raise problem("engine.dist_timeout_s: replaced by engine.rendezvous_timeout_s (joining the group, "
                            "default 300) and engine.collective_timeout_s (each collective, default 1800)")
         return data
 
     @model_validator(mode="after")
     def _engine(self):
         if any(c.isspace() or c in "/@" for c in self.master_addr):  # a host name or an IPv4/IPv6 address
-            raise _problem(f"engine.master_addr: expected a host name or address, got {self.master_addr!r}")
+            raise problem(f"engine.master_addr: expected a host name or address, got {self.master_addr!r}")
         if 0 < self.master_port < 1024:
-            raise _problem(f"engine.master_port: must be 0 (derived) or 1024-65535; got {self.master_port}")
+            raise problem(f"engine.master_port: must be 0 (derived) or 1024-65535; got {self.master_port}")
         if self.offload_params and self.zero_stage != 3:
-            raise _problem(f"engine.offload_params: needs engine.zero_stage=3; got {self.zero_stage}")
+            raise problem(f"engine.offload_params: needs engine.zero_stage=3; got {self.zero_stage}")
         if self.offload_optimizer and self.zero_stage == 0:
-            raise _problem("engine.offload_optimizer: needs engine.zero_stage >= 1")
+            raise problem("engine.offload_optimizer: needs engine.zero_stage >= 1")
         return self
 
 
@@ -324,7 +323,7 @@ class TrackingCfg(Section):
         # MLflow opens a file: URI or a bare path (`./mlruns`, `none`) as its file store, which it keeps
         # in maintenance mode and refuses after start-up in a multi-line exception: refuse it here
         if self.enabled and self.uri and _file_store(self.uri):
-            raise _problem(f"tracking.uri: {self.uri!r} is MLflow's file store (a file: URI or a folder), which "
+            raise problem(f"tracking.uri: {self.uri!r} is MLflow's file store (a file: URI or a folder), which "
                            "MLflow keeps in maintenance mode and vitp does not support; use a database "
                            "(sqlite:///PATH/mlflow.db) or a server (http://HOST:PORT), or set tracking.enabled=false "
                            "to turn tracking off")
@@ -411,10 +410,10 @@ class EvalCfg(Section):
     @model_validator(mode="after")
     def _sets(self):
         if any(s < 1 for s in self.fewshot_shots):
-            raise _problem(f"eval.fewshot_shots: shots must be >= 1; got {self.fewshot_shots}")
+            raise problem(f"eval.fewshot_shots: shots must be >= 1; got {self.fewshot_shots}")
         names = [n for n, _ in fewshot_sets(self.fewshot_data)]
         if not all(re.fullmatch(r"[\w.-]+", n) for n in names) or len(set(names)) != len(names):
-            raise _problem(f"eval.fewshot_data: each set needs its own name of [A-Za-z0-9_.-] (metrics are "
+            raise problem(f"eval.fewshot_data: each set needs its own name of [A-Za-z0-9_.-] (metrics are "
                            f"fewshot/<name>/...: the folder's, or NAME=PATH); got {self.fewshot_data}")
         return self
 
@@ -438,7 +437,7 @@ class EvalEntry(Section):
     @model_validator(mode="after")
     def _name(self):
         if not re.fullmatch(r"[\w.-]+", self.name):
-            raise _problem(f"evals: name {self.name!r}: use [A-Za-z0-9_.-] (it names metrics and state)")
+            raise problem(f"evals: name {self.name!r}: use [A-Za-z0-9_.-] (it names metrics and state)")
         return self
 
     @property
@@ -452,76 +451,7 @@ def EvalList():  # noqa: N802 (a type)
         names = [e.name for e in v]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup is not None:
-            raise _problem(f"evals: two evaluators named {dup!r}; each needs its own name")
+            raise problem(f"evals: two evaluators named {dup!r}; each needs its own name")
         return v
 
     return Annotated[list[EvalEntry], BeforeValidator(_list), AfterValidator(unique)]
-
-
-# --------------------------------------------------------------------------------------------------
-# Stages: the sections each one reads
-# --------------------------------------------------------------------------------------------------
-class StageConfig(Section):
-    """A stage's root: its sections, and the checks that span them (the world size comes from the
-    validation context, see :func:`validate`)."""
-
-    @property
-    def world_size_planned(self) -> int:
-        return self.cluster.nodes * self.cluster.tasks_per_node
-
-    @model_validator(mode="after")
-    def _world(self, info: ValidationInfo):
-        try:
-            validate(self, world_size=(info.context or {}).get("world_size"))
-        except ConfigError as e:
-            raise _problem(str(e)) from None
-        return self
-
-
-class Config(StageConfig):
-    """Pre-training and fine-tuning (`vitp pretrain`, `vitp transfer`, `vitp config show`)."""
-
-    seed: Int = 0
-    run: RunCfg = Field(default_factory=RunCfg)
-    model: ModelCfg = Field(default_factory=ModelCfg)
-    data: DataCfg = Field(default_factory=DataCfg)
-    optim: OptimCfg = Field(default_factory=OptimCfg)
-    schedule: ScheduleCfg = Field(default_factory=ScheduleCfg)
-    train: TrainCfg = Field(default_factory=TrainCfg)
-    engine: EngineCfg = Field(default_factory=EngineCfg)
-    checkpoint: CheckpointCfg = Field(default_factory=CheckpointCfg)
-    tracking: TrackingCfg = Field(default_factory=TrackingCfg)
-    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
-    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
-    init: InitCfg = Field(default_factory=InitCfg)
-    eval: EvalCfg = Field(default_factory=EvalCfg)
-    evals: EvalList() = Field(default_factory=list)  # declared evaluators (pipeline/eval/evaluators)
-
-
-class EvalConfig(StageConfig):
-    """The evaluation stage (`vitp eval`, `vitp submit eval`): the model comes from the checkpoint."""
-
-    data: DataCfg = Field(default_factory=DataCfg)
-    eval: EvalCfg = Field(default_factory=EvalCfg)
-    engine: EngineCfg = Field(default_factory=EngineCfg)
-    tracking: TrackingCfg = Field(default_factory=TrackingCfg)
-    hardware: HardwareCfg = Field(default_factory=HardwareCfg)
-    cluster: ClusterCfg = Field(default_factory=ClusterCfg)
-    evals: EvalList() = Field(default_factory=list)  # run instead of the eval.* flags' ones when given
-
-
-def world_size_from_env(cfg: StageConfig) -> int:
-    env = os.environ.get("WORLD_SIZE")
-    return int(env) if env else cfg.world_size_planned
-
-
-def validate(cfg: StageConfig, *, world_size: int | None = None) -> None:
-    """The checks that span sections, for ``world_size`` ranks (default: $WORLD_SIZE, else the
-    cluster section's nodes x tasks_per_node)."""
-    ws = world_size if world_size is not None else world_size_from_env(cfg)
-    if ws < 1:
-        raise ConfigError(f"world size must be >= 1; got {ws}")
-    if isinstance(cfg, Config):
-        cfg.train.check_world(ws)
-        if cfg.optim.ema is not None and cfg.engine.zero_stage == 3:
-            raise ConfigError("optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)")

@@ -64,6 +64,7 @@ from .shards import (  # noqa: F401 (re-exported: callers import the dataset API
     read_shard,
     read_slices,
     segments,
+    shard_labels,
 )
 from .source import ClassLoaders, DataSource
 from .stream import ReadPolicy, io_stats
@@ -465,8 +466,7 @@ class ShardSource(ClassLoaders, DataSource):
     def split_labels(self, split: str, rank: int, world_size: int) -> dict[int, list]:
         info = self.read_info()
         sp = info.split(split)
-        return {s: [x[2] for x in read_shard(sp.urls[s], SkipCounts(), 0, None, num_classes=info.num_classes,
-                                             read=False)]
+        return {s: [label for _, label in shard_labels(sp.urls[s], info.num_classes)]
                 for s in range(rank, len(sp.urls), world_size)}
 
     def dataset_name(self) -> str:

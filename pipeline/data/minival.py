@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .shards import DataError, SkipCounts, SplitInfo, read_shard
+from .shards import DataError, SplitInfo, shard_labels
 from .stream import ReadPolicy
 
 MINIVAL = "minival"
@@ -106,8 +106,7 @@ def _labels(sp: SplitInfo, num_classes: int, policy: ReadPolicy) -> tuple[tuple[
     """(keys, primary labels) of every position of ``sp``, read from the ``.cls`` members only."""
     keys, labels = [], []
     for url in sp.urls:
-        for key, _, label in read_shard(url, SkipCounts(), 0, None, num_classes=num_classes, read=False,
-                                        policy=policy):
+        for key, label in shard_labels(url, num_classes, policy):
             keys.append(key)
             labels.append(label)
     if len(keys) != sp.num_samples:

@@ -328,6 +328,13 @@ def read_shard(url: str, counts: SkipCounts, start: int, stop: int | None, *, nu
         warnings.warn(f"{store.public(url)}: corrupt or cut-off shard, rest skipped ({e})", stacklevel=2)
 
 
+def shard_labels(url: str, num_classes: int, policy: ReadPolicy | None = None) -> list[tuple[str, int]]:
+    """(key, label) of every valid sample of one shard, read from its ``.cls`` members only (tar
+    headers and label bytes, no image): a few-shot label scan, a minival's selection."""
+    return [(key, label) for key, _, label in read_shard(url, SkipCounts(), 0, None, num_classes=num_classes,
+                                                         read=False, policy=policy)]
+
+
 def segments(lengths: list[int], order, start: int, count: int) -> list[tuple[int, int, int]]:
     """Positions ``[start, start+count)`` of the (cyclic) concatenation of shards in ``order`` →
     [(shard, lo, hi)] slices."""

@@ -1,12 +1,12 @@
 """The one evaluation loop: top-1/top-5, loss, per-class accuracy and the confusion matrix on a split
 (the classify evaluator's, pipeline/eval/evaluators: during training, after fine-tuning and in `vitp
-eval`); on multi-label data precision@1 and mean average precision instead; the features few-shot
-and the probe fit on (pipeline/eval/fewshot.py).
+eval`); on multi-label data precision@1 and mean average precision instead. The features few-shot
+and the probe fit on are read by pipeline/eval/evaluators' ``prelogits``.
 
 Every rank reads its own part of the split (the loader hands each sample to exactly one rank), so
 the counts are summed across ranks in one all-reduce: of the confusion matrix for `vitp eval` (top-1,
 per-class and the matrix itself all follow from it), of per-class hits and samples during training
-(K² counts would not fit a 21k-class head); few-shot features are gathered to every rank. Every rank
+(K² counts would not fit a 21k-class head). Every rank
 runs the same number of forward calls (ZeRO-3 gathers parameters inside forward): padding rows
 are computed and masked, and a rank whose batches ran out runs dummy ones until all have.
 """
@@ -261,52 +261,6 @@ def _lockstep(model, batches, num_classes: int, device, prepare, dtype, autocast
         if logits.shape[-1] != num_classes:
             raise ValueError(f"model gives {logits.shape[-1]} logits but the dataset has {num_classes} classes")
         yield logits.float(), y, valid
-
-
-@torch.no_grad()
-def extract_features(model: torch.nn.Module, batches: Iterable[Batch], *, device: torch.device | str = "cpu",
-                     prepare: Callable | None = None, dtype: torch.dtype = torch.float32,
-                     max_images: int | None = None, autocast: torch.dtype | None = None,
-                     with_positions: bool = False) -> tuple[torch.Tensor, ...]:
-    """Frozen representations (the input of the classifier head), gathered from all ranks.
-
-    -> features [N, R|D] float32 on the CPU, labels [N]; N sums every rank's images (each rank
-    stops after `max_images` of its own). ``with_positions``: also each row's position in the split
-    [N] int64 (from an EvalLoader's ``rank_positions``; row order when the batches have none).
-    """
-    was_training = model.training
-    model.eval()
-    feats, labels, n = [], [], 0
-    rank_pos = getattr(batches, "rank_positions", None)
-    pos: list[torch.Tensor] = []
-    for b, batch in enumerate(batches):
-        if max_images is not None and n >= max_images:
-            break
-        x, y, valid = _to_device(batch, device, prepare, dtype)
-        with torch.autocast(torch.device(device).type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            f = model.forward_head(model.forward_features(x), pre_logits=True).float()
-        keep = valid.cpu()
-        feats.append(f.cpu()[keep])
-        labels.append(y.cpu()[keep])
-        if rank_pos is not None:  # padding rows (past this rank's slice) have no position: -1
-            size = getattr(batches, "batch", len(keep))
-            at = list(rank_pos[b * size:b * size + len(keep)])
-            pos.append(torch.tensor(at + [-1] * (len(keep) - len(at)), dtype=torch.int64)[keep])
-        n += int(keep.sum())
-    model.train(was_training)
-    width = getattr(model, "pre_logits", None)
-    width = width.out_features if width is not None else model.width
-    f = torch.cat(feats) if feats else torch.zeros(0, width)
-    y = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long)
-    p = torch.cat(pos) if pos else torch.full((len(y),), -1, dtype=torch.int64)
-    if max_images is not None:
-        f, y, p = f[:max_images], y[:max_images], p[:max_images]
-    if _is_dist():
-        parts = all_gather_object((f, y, p))  # plain tensors between our own ranks
-        f, y, p = (torch.cat([q[i] for q in parts]) for i in range(3))
-    if not with_positions:
-        return f, y
-    return f, y, (p if rank_pos is not None else torch.arange(len(y)))
 
 
 # --------------------------------------------------------------------------------------------------

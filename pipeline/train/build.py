@@ -188,8 +188,8 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     source = data_lib.source_for(cfg.data.path)
     # a missing split fails now, in one line, not after the last step
     check_splits(cfg.data.path, {"data.train_split": cfg.data.train_split, "data.val_split": cfg.data.val_split},
-                 minival_from=minival_source(cfg.data))
-    evals.check_data(declared, cfg.data)
+                 minival_from=(held := minival_source(cfg.data)))
+    evals.check_data(declared, cfg.data.path, held)
     tracking = Tracking.from_config(cfg, run_dir, rank=rank)
     tracking.check_access()  # a refused login fails now, in one line, not after training
     info = source.read_info()

@@ -43,8 +43,9 @@ def test_the_loop_never_sees_cfg_and_each_part_is_built_once(walk):
     assert rooms.count("pipeline.eval.evaluators") == 1
     s = cfg_walk.score(rooms, moves)
     # 6 climbs before evaluators were declared: + the entries the builder reads, + the val loader, which
-    # the classify evaluator asks for on its own (no longer in one call with the train loader)
-    assert s["returns"] <= 15 and s["climbs"] <= 8, s
+    # the classify evaluator asks for on its own (no longer in one call with the train loader), + the
+    # minival hold-out the builder asks of the data section once (pipeline/data/minival.py)
+    assert s["returns"] <= 15 and s["climbs"] <= 9, s
 
 
 def test_a_climb_is_a_return_into_an_importer():

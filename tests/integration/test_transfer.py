@@ -97,13 +97,15 @@ def test_finetune_loss_falls_and_beats_linear_probe(pretrained, bars, tmp_path):
     probe of its frozen features (same images, same resolution) is the baseline to beat."""
     run = tmp_path / "ft"
     r = _vitp("transfer", "--config", str(FT), f"run.dir={run}", f"init.from={pretrained}", f"data.path={bars}",
-              "model.img_size=32", "train.steps=300", "optim.lr=0.1", "tracking.enabled=false")
+              "model.img_size=32", "train.steps=300", "optim.lr=0.1", "tracking.enabled=false",
+              "evals=[{name: again, type: classify, split: val}]")  # a declared entry: also scores the final
     assert r.returncode == 0, r.stderr[-2000:]
     assert "pos-emb resampled 4x4 -> 8x8" in r.stdout
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert losses[-1] < 0.5 * losses[0]
     res = json.loads((run / "results.json").read_text())
     assert res["val/n"] == 300 and res["posemb_resampled"] == [[4, 4], [8, 8]]
+    assert res["again/top1"] == res["val/top1"] and res["again/n"] == 300  # the same weights, the same split
     assert res["parent_step"] == 20 and res["num_classes"] == 4
     for name in ("confusion_val.png", "per_class_val.json", "model.safetensors"):
         assert (run / name).is_file(), name

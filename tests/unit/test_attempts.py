@@ -18,11 +18,11 @@ from launch.attempts import (
     end_of_attempt,
     first_dead_task,
     read_events,
-    retried,
 )
 from launch.preempt import nccl_debug_env, term_cause
 from launch.submit import load_submit_config, slurm_parameters
 from pipeline.slurm import parse_term_cause
+from pipeline.stops import retried
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")

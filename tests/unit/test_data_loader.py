@@ -6,6 +6,7 @@ import collections
 import io
 import itertools
 import random
+import time
 import warnings
 
 import numpy as np
@@ -173,13 +174,29 @@ def test_workers_outlive_the_stop_signals_slurm_sends_to_every_process(tmp_path)
     earlier = {c.pid for c in psutil.Process(os.getpid()).children()}  # what other tests left, if anything
     it = iter(loader(cfg, 0, world=1, micro_batch=4, global_batch=4))
     seen = list(next(it)[2])
-    workers = [c for c in psutil.Process(os.getpid()).children() if c.pid not in earlier]
+    me = psutil.Process(os.getpid())
+    # the loader's workers are forks of this process (multiprocessing's resource tracker, a child too
+    # when this test is the process's first to start workers, is not)
+    workers = [c for c in me.children() if c.pid not in earlier and c.cmdline() == me.cmdline()]
     assert len(workers) == 2
+    # SLURM signals a job's processes once they run; a worker still starting (the first batch came from
+    # the other one) has not yet set its handlers: wait until both ignore TERM and USR2
+    ignored = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGUSR2 - 1))
+    deadline = time.monotonic() + 60
+    while not all(int(_status(w.pid)["SigIgn"], 16) & ignored == ignored for w in workers):
+        assert time.monotonic() < deadline, "a loader worker never set its stop-signal handlers"
+        time.sleep(0.05)
     for w in workers:
         w.send_signal(signal.SIGTERM)
         w.send_signal(signal.SIGUSR2)
     seen += [k for _, _, ks in it for k in ks]
     assert collections.Counter(seen) == collections.Counter(keys)
+
+
+def _status(pid: int) -> dict[str, str]:
+    """/proc/PID/status as {field: value}."""
+    with open(f"/proc/{pid}/status") as f:
+        return dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
 
 
 def test_clear_errors(data, tmp_path):

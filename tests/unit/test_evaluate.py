@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from pipeline.config import DataCfg, EvalCfg
-from pipeline.eval.classify import classify, extract_features, write_artifacts, write_results
-from pipeline.eval.evaluators import score_model
+from pipeline.eval.classify import classify, write_artifacts, write_results
+from pipeline.eval.evaluators import Context, prelogits, score_model
+from pipeline.eval.task import Task
 from pipeline.model import build_vit
 from pipeline.weights import WeightsError as TransferError
 from pipeline.weights import load_model
@@ -163,11 +164,13 @@ def test_evaluate_model_head_mismatch_is_clear():
         score_model(_tiny(10), DataCfg(path="synthetic:classes=4,train=8,val=8"))
 
 
-def test_extract_features_width_and_cap():
+def test_prelogits_width_and_cap():
     model = _tiny(3, representation_size=24)
     x = torch.randint(0, 255, (10, 3, 16, 16), dtype=torch.uint8)
-    batches = [(x[:4], torch.zeros(4)), (x[4:], torch.ones(6))]
-    f, y = extract_features(model, batches, prepare=lambda t: t.float() / 127.5 - 1, max_images=7)
+    valid = torch.ones(10, dtype=torch.bool)
+    batches = [(x[:4], torch.zeros(4), valid[:4]), (x[4:], torch.ones(6), valid[4:])]
+    ctx = Context(DataCfg(), Task(False), img_size=16, batch=4, device=torch.device("cpu"), rank=0, world=1)
+    f, y = prelogits(model, batches, ctx, lambda t: t.float() / 127.5 - 1, max_images=7)
     assert f.shape == (7, 24) and y.tolist() == [0] * 4 + [1] * 3
 
 

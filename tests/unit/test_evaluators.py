@@ -97,7 +97,7 @@ def test_a_dataset_without_the_split_is_refused_before_queueing(tmp_path):
     with pytest.raises(SubmitError, match=r"^evals\[0\]\.test_split: 'test' not in .*pets/_info.json \(has: train\)"):
         check_data(cfg, "pretrain")
     with pytest.raises(DataError, match=r"^evals\[0\]\.test_split: 'test' not in"):
-        evals.check_data(evals.declare(evals.run_entries(cfg)), cfg.data)
+        evals.check_data(evals.declare(evals.run_entries(cfg)), cfg.data.path)
 
 
 def test_the_task_kind_names_the_metrics_and_the_loss():

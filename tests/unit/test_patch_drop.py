@@ -8,8 +8,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.config import ConfigError, load_config
-from pipeline.eval.classify import classify, extract_features
+from pipeline.config import ConfigError, DataCfg, load_config
+from pipeline.eval.classify import classify
+from pipeline.eval.evaluators import Context, prelogits
+from pipeline.eval.task import Task
 from pipeline.model import build_vit, draw_keep, kept_patches, train_step_flops, vit_forward_flops
 from pipeline.train.patchdrop import PatchDrop
 
@@ -127,7 +129,7 @@ def test_bad_keep_shape_is_one_line():
 
 
 def test_eval_paths_see_every_patch_and_match_patch_drop_zero():
-    """classify (val, `vitp eval`, transfer's final eval) and extract_features (few-shot) call the
+    """classify (val, `vitp eval`, transfer's final eval) and prelogits (few-shot, the probe) call the
     model without ``keep``: every block input has all tokens and the logits are a model's at patch_drop=0."""
     torch.manual_seed(0)
     model = build_vit(**TINY).train()
@@ -137,8 +139,10 @@ def test_eval_paths_see_every_patch_and_match_patch_drop_zero():
     model(torch.randn(4, 3, 16, 16), keep=draw_keep(4, 16, 0.5, torch.Generator().manual_seed(0))).sum().backward()
     images, labels = torch.randn(6, 3, 16, 16), torch.arange(6) % 5
     batches = [(images[:3], labels[:3]), (images[3:], labels[3:])]
+    ctx = Context(DataCfg(), Task(False), img_size=16, batch=3, device=torch.device("cpu"), rank=0, world=1)
+    valid = [(x, y, torch.ones(len(y), dtype=torch.bool)) for x, y in batches]
     seen = _block_inputs(model, lambda: classify(model, batches, 5))
-    seen += _block_inputs(model, lambda: extract_features(model, batches))
+    seen += _block_inputs(model, lambda: prelogits(model, valid, ctx, lambda t: t))
     assert len(seen) == 4 and all(s.shape[1] == 17 for s in seen)
     res = classify(model, batches, 5)
     model.eval()

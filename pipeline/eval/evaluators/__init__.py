@@ -28,6 +28,7 @@ eval`'s flags are entries on ``eval.split`` (``--evals FILE`` replaces them).
 from __future__ import annotations
 
 import importlib
+import itertools
 import pkgutil
 import re
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ import torch
 from pydantic import create_model
 
 from pipeline.config import ConfigError, DataCfg, EvalEntry, Section, build, fewshot_sets
-from pipeline.data import check_splits, minival_source, source_for
+from pipeline.data import check_splits, source_for
 from pipeline.eval.task import Task
 
 __all__ = ["Context", "Declared", "Evaluator", "NoOptions", "Results", "check_data", "declare", "eval_entries",
@@ -114,15 +115,20 @@ class Evaluator:
 
 
 @torch.no_grad()
-def prelogits(model, batches, ctx: Context, normalize, on_batch=lambda b: None) -> list[torch.Tensor]:
+def prelogits(model, batches, ctx: Context, normalize, on_batch=lambda b: None,
+              max_images: int | None = None) -> list[torch.Tensor]:
     """Pre-logit features (the head's input, read by a hook: ``model`` may be the training engine,
     whose forward ZeRO-3 needs) of ``batches`` of (uint8 images, labels, valid, *more [B]) ->
     [features [n, D] float32, labels [n], *more [n]] on the host, valid rows only. The features stay
-    on the device until the last batch: one copy back, no sync per batch."""
+    on the device until the last batch: one copy back, no sync per batch. ``max_images``: only this
+    rank's first that many; it reads the ``ctx.batch``-sized batches that hold them, as many on every
+    rank (the cap is the same everywhere and the ranks' batch counts are equal)."""
     head = getattr(getattr(model, "module", model), "head", None)
     got: list[torch.Tensor] = []
     hook = head.register_forward_pre_hook(lambda _m, a: got.append(a[0])) if head is not None else None
     feats, cols = [], []
+    if max_images is not None:
+        batches = itertools.islice(batches, min(len(batches), -(-max_images // ctx.batch)))
     try:
         for b, (x, *rest) in enumerate(batches):
             x = normalize(x.to(ctx.device, non_blocking=True)).to(ctx.dtype)
@@ -138,7 +144,7 @@ def prelogits(model, batches, ctx: Context, normalize, on_batch=lambda b: None) 
     if not feats:
         return [torch.zeros(0, 0), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)]
     labels, valid, *more = (torch.cat(c) for c in zip(*cols))
-    return [torch.cat(feats).cpu()[valid], labels[valid], *(m[valid] for m in more)]
+    return [t[:max_images] for t in (torch.cat(feats).cpu()[valid], labels[valid], *(m[valid] for m in more))]
 
 
 @dataclass
@@ -217,14 +223,14 @@ def _wrap(schema: type[Section]) -> type[Section]:
     return _WRAPPED[schema]
 
 
-def check_data(declared: list[Declared], data: DataCfg) -> None:
-    """Every split each entry reads is in its dataset (``data``'s path unless the entry names one; the
-    held-out ``minival`` split as ``data`` holds it out): one line naming the key, the file and the
-    splits it has. Reads only the datasets' descriptions."""
+def check_data(declared: list[Declared], path: str, minival_from: str | None = None) -> None:
+    """Every split each entry reads is in its dataset (``path`` unless the entry names one; split
+    ``minival`` is held out of ``minival_from``, :func:`pipeline.data.minival_source` of the run's data
+    section): one line naming the key, the file and the splits it has. Reads only the datasets'
+    descriptions."""
     for d in declared:
-        own = data if not d.entry.data else data.model_copy(update={"path": d.entry.data})
         for s in d.cls.splits:
-            check_splits(own.path, {d.split_key(s): getattr(d.entry, s)}, minival_from=minival_source(own))
+            check_splits(d.entry.data or path, {d.split_key(s): getattr(d.entry, s)}, minival_from=minival_from)
 
 
 def run_entries(cfg) -> list[tuple[str, EvalEntry]]:

@@ -39,9 +39,8 @@ class LinearProbe(Evaluator):
         was_training = model.training
         model.eval()
         try:
-            cap = self.options.max_train_images
-            train = prelogits(model, _first(self.loader(self.entry.train_split), cap, self.ctx.batch), self.ctx,
-                              self.source.normalize)
+            train = prelogits(model, self.loader(self.entry.train_split), self.ctx, self.source.normalize,
+                              max_images=self.options.max_train_images)
             test = prelogits(model, self.loader(self.entry.test_split), self.ctx, self.source.normalize)
         finally:
             model.train(was_training)
@@ -54,17 +53,6 @@ class LinearProbe(Evaluator):
             out = {f"{self.prefix}top1": lp["top1"], f"{self.prefix}train_top1": lp["train_top1"]}
         wait_for_rank0()  # the fit is rank 0's alone: the others wait outside any collective's timeout
         return out
-
-
-def _first(batches, images: int | None, batch: int):
-    """The batches holding this rank's first ``images`` (all without a cap); every rank runs as many
-    forward calls (the cap is the same on every rank and each rank's share differs by one at most,
-    so a rank short of it runs its padding batches)."""
-    n = len(batches) if images is None else min(len(batches), -(-images // batch))
-    for b, item in enumerate(batches):
-        if b >= n:
-            break
-        yield item
 
 
 EVALUATOR = LinearProbe

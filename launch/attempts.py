@@ -48,6 +48,9 @@ from . import nodes
 
 EVENTS = "events.jsonl"
 ATTEMPT_MARK = "vitp: attempt {restart} of job {job} starts"  # echoed by the batch script (setup)
+NODES_MARK = "vitp: attempt nodes {nodes}"  # echoed next: the allocation, for a lost batch host's attempt
+_NODES_LINE = re.compile(r"^vitp: attempt nodes (\S+)\s*$", re.M)
+MOVED_RC = 3  # start_of_attempt: requeued without a left-out node; the batch script ends without srun
 MAX_EXCLUDED = 2  # cluster.max_excluded_nodes' default: the teardown's command line names any other
 
 
@@ -72,7 +75,9 @@ def describe(event: dict) -> str:
             "preempted": f"preempted{at}: saved, requeued",
             "cancelled": f"cancelled{at}" + (" (checkpoint saved)" if step is not None else ""),
             "time_limit": f"time limit reached{at} (checkpoint saved; cluster.max_requeues used up?)",
-            "completed": f"completed{at}"}.get(kind)
+            "completed": f"completed{at}",
+            "lost": "ended and requeued by SLURM itself (no node failure seen)",
+            "moved": f"started on {event.get('node', '?')}, which the job leaves out: requeued without it"}.get(kind)
     if kind == "failed" and event.get("fault"):  # a failure that points at its node
         node = event.get("node", "?")
         what = f"failed: rank {event.get('rank', '?')} on {node}: {event['fault']}"
@@ -198,6 +203,26 @@ def _exclusion(fault: nodes.Fault, then: Next, why_not: str | None, events: list
     return fields, then, why_not
 
 
+def _failed(restart: int, why: dict, fault: nodes.Fault | None, events: list[dict], env: dict, max_failures: int,
+            exclude: list[str], max_excluded: int, pool, **extra) -> dict:
+    """The "failed" line of attempt ``restart``: requeued while failures < max_failures, with the node the
+    failure points at left out (``exclude``: the nodes the job was submitted without)."""
+    then, why_not = stops.after_failure(why["retry"], count(events, Outcome.FAILED), max_failures)
+    fields: dict = {}
+    if fault is not None and why["retry"]:
+        fields, then, why_not = _exclusion(fault, then, why_not, events, env, exclude, max_excluded, pool)
+    event = {"event": Outcome.FAILED, "restart": restart, "rank": why["rank"], "error": why["error"], **extra,
+             **fields, "requeued": then == Next.REQUEUE}
+    if why_not:
+        event["why"] = why_not
+    return event
+
+
+def _record(folder: Path, event: dict) -> None:
+    append_event(folder, event)
+    print(f"vitp: {describe(event)}", file=sys.stderr, flush=True)
+
+
 def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | None = None, requeue=None,
                    exclude: list[str] | None = None, max_excluded: int = MAX_EXCLUDED,
                    pool=nodes.partition_nodes) -> int:
@@ -217,17 +242,9 @@ def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | No
     log = folder / f"{name}_0_log.err"  # submitit's sbatch --error: srun's own messages land here
     text = this_attempt(_tail(log), restart, job_id)
     why = failure(folder, restart, text, rc)
-    then, why_not = stops.after_failure(why["retry"], count(events, Outcome.FAILED), max_failures)
     fault = nodes.find_fault(text, why, _rank_log(folder, name, why["rank"], restart))
-    fields: dict = {}
-    if fault is not None and why["retry"]:
-        fields, then, why_not = _exclusion(fault, then, why_not, events, env, exclude or [], max_excluded, pool)
-    event = {"event": Outcome.FAILED, "restart": restart, "rank": why["rank"], "error": why["error"], "rc": rc,
-             **fields, "requeued": then == Next.REQUEUE}
-    if why_not:
-        event["why"] = why_not
-    append_event(folder, event)
-    print(f"vitp: {describe(event)}", file=sys.stderr, flush=True)
+    event = _failed(restart, why, fault, events, env, max_failures, exclude or [], max_excluded, pool, rc=rc)
+    _record(folder, event)
     if not event["requeued"]:
         return rc
     if event.get("excluded"):  # every node left out so far: the update replaces the list
@@ -235,6 +252,59 @@ def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | No
     else:
         (requeue or slurm.requeue)(job_id)
     return 0
+
+
+def previous_attempt(log_text: str, restart: int, job: str) -> str:
+    """The part of the batch log that attempt ``restart - 1`` wrote ("" when its mark is not there)."""
+    start = log_text.rfind(ATTEMPT_MARK.format(restart=restart - 1, job=job))
+    end = log_text.rfind(ATTEMPT_MARK.format(restart=restart, job=job))
+    return "" if start < 0 else log_text[start:end if end > start else None]
+
+
+def start_of_attempt(log_dir: Path, max_failures: int, environ: dict | None = None, requeue=None,
+                     exclude: list[str] | None = None, max_excluded: int = MAX_EXCLUDED, pool=nodes.partition_nodes,
+                     hostnames=nodes.hostnames, down=nodes.down_nodes) -> int:
+    """The batch script before ``srun``, on a requeued attempt.
+
+    An attempt that left no line in events.jsonl was ended by SLURM itself, which then requeued the job:
+    NODE_FAIL kills the batch script with the ranks, so no teardown ran. It is recorded here: "failed"
+    at the node srun said it lost (or, when the batch host itself was lost with its log, a node of that
+    attempt slurmctld now holds down), which the job then leaves out like any node a failure points at;
+    else "lost". SLURM refuses ExcNodeList for a running job, so an attempt given a node the job leaves
+    out requeues itself without it (once: "moved"). -> 0: run srun; MOVED_RC: requeued, run nothing;
+    else the job fails with it (cluster.max_failures used up, or too few nodes left)."""
+    env = os.environ if environ is None else environ
+    restart = slurm.restart_count(env)
+    if restart == 0:
+        return 0
+    name, job_id = job_folder_name(env), env["SLURM_JOB_ID"]
+    folder = Path(log_dir) / name
+    events = read_events(folder)
+    if not any(e.get("restart") == restart - 1 for e in events):
+        text = previous_attempt(_tail(folder / f"{name}_0_log.err"), restart, job_id)
+        allocation = _NODES_LINE.search(text)
+        had = hostnames(allocation[1]) if allocation else []
+        node = nodes.lost_node(text) or next(iter(down(had)), None)
+        if node is None:
+            event = {"event": Outcome.LOST, "restart": restart - 1}
+        else:
+            rank = nodes.task_on(text, node)  # srun may be gone before it says; else block distribution's first
+            if rank == "?" and node in had:
+                rank = had.index(node) * int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
+            why = {"rank": rank, "error": f"node failure: {node} (NODE_FAIL)", "retry": True}
+            event = _failed(restart - 1, why, nodes.Fault(node, "node failure"), events, env, max_failures,
+                            exclude or [], max_excluded, pool)
+        _record(folder, event)
+        events.append(event)
+        if event["event"] == Outcome.FAILED and not event["requeued"]:
+            return 1
+    left_out = nodes.excluded(exclude, events)
+    given = [n for n in hostnames(env.get("SLURM_JOB_NODELIST", "")) if n in left_out] if left_out else []
+    if not given or any(e.get("event") == Outcome.MOVED and e.get("restart") == restart - 1 for e in events):
+        return 0  # (moved once already: SLURM did not take the update; run where it put the job)
+    _record(folder, {"event": Outcome.MOVED, "restart": restart, "node": given[0]})
+    (requeue or slurm.requeue_excluding)(job_id, left_out)
+    return MOVED_RC
 
 
 def batch_lines(log_dir: str, max_failures: int, python: str | None = None, exclude: list[str] | None = None,
@@ -245,13 +315,15 @@ def batch_lines(log_dir: str, max_failures: int, python: str | None = None, excl
     import shlex
 
     py = shlex.quote(python or sys.executable)
-    setup = ['echo "' + ATTEMPT_MARK.format(restart="${SLURM_RESTART_COUNT:-0}", job="$SLURM_JOB_ID") + '" >&2']
-    teardown = ["vitp_rc=$?",
-                f"{py} -m launch.attempts --log-dir {shlex.quote(str(Path(log_dir).resolve()))} "
-                f"--max-failures {int(max_failures)}"
-                + (f" --max-excluded {int(max_excluded)}" if max_excluded != MAX_EXCLUDED else "")
-                + "".join(f" --exclude {shlex.quote(n)}" for n in exclude or []) + " --rc $vitp_rc",
-                "exit $?"]
+    cmd = (f"{py} -m launch.attempts --log-dir {shlex.quote(str(Path(log_dir).resolve()))} "
+           f"--max-failures {int(max_failures)}"
+           + (f" --max-excluded {int(max_excluded)}" if max_excluded != MAX_EXCLUDED else "")
+           + "".join(f" --exclude {shlex.quote(n)}" for n in exclude or []))
+    setup = ['echo "' + ATTEMPT_MARK.format(restart="${SLURM_RESTART_COUNT:-0}", job="$SLURM_JOB_ID") + '" >&2',
+             'echo "' + NODES_MARK.format(nodes="$SLURM_JOB_NODELIST") + '" >&2',
+             f'if [ "${{SLURM_RESTART_COUNT:-0}}" != 0 ]; then {cmd} --start; vitp_rc=$?; '
+             f'[ $vitp_rc = 0 ] || exit $(( vitp_rc == {MOVED_RC} ? 0 : vitp_rc )); fi']
+    teardown = ["vitp_rc=$?", f"{cmd} --rc $vitp_rc", "exit $?"]
     return setup, teardown
 
 
@@ -263,10 +335,15 @@ def main(argv: list[str] | None = None) -> int:
                                             "--max-failures 2 --rc 137")
     p.add_argument("--log-dir", required=True)
     p.add_argument("--max-failures", type=int, required=True)
-    p.add_argument("--rc", type=int, required=True, help="srun's exit status")
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument("--rc", type=int, help="srun's exit status (the teardown, after srun)")
+    how.add_argument("--start", action="store_true", help="a requeued attempt's start (the setup, before srun)")
     p.add_argument("--max-excluded", type=int, default=MAX_EXCLUDED, help="cluster.max_excluded_nodes")
     p.add_argument("--exclude", action="append", default=[], help="a node the job was submitted without")
     args = p.parse_args(argv)
+    if args.start:
+        return start_of_attempt(Path(args.log_dir), args.max_failures, exclude=args.exclude,
+                                max_excluded=args.max_excluded)
     return end_of_attempt(Path(args.log_dir), args.rc, args.max_failures, exclude=args.exclude,
                           max_excluded=args.max_excluded)
 

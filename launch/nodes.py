@@ -71,14 +71,25 @@ def node_of(log_text: str, rank) -> str | None:
     return next((m["node"] for m in _SRUN_TASK.finditer(log_text) if rank in _ranks(m["tasks"])), None)
 
 
+def lost_node(log_text: str) -> str | None:
+    """The node srun says it lost (``srun: error: Node failure on node2``)."""
+    m = _NODE_FAIL.search(log_text)
+    return m["node"].split(",")[0] if m else None
+
+
+def task_on(log_text: str, node: str):
+    """The first task srun reports ended on ``node`` (``srun: error: node2: task 1: Terminated``), or "?"."""
+    return next((min(_ranks(m["tasks"])) for m in _SRUN_TASK.finditer(log_text) if m["node"] == node), "?")
+
+
 def find_fault(log_text: str, why: dict, rank_log: str = "") -> Fault | None:
     """The node this attempt's failure points at: a lost node (srun's line), else the dead rank's node when
     its error record or an Xid line names a GPU fault. ``log_text``: this attempt's batch log (srun's
     lines); ``why``: launch/attempts.py's failure() ({"rank", "error", ...}); ``rank_log``: the dead
     rank's own log of this attempt."""
-    lost = _NODE_FAIL.search(log_text)
+    lost = lost_node(log_text)
     if lost:
-        return Fault(lost["node"].split(",")[0], "node failure")
+        return Fault(lost, "node failure")
     if str(why.get("error") or "").startswith("hung:"):
         return None  # a stuck rank's own doing, as far as anyone can tell
     reason = error_fault(why.get("error")) or xid_fault(rank_log)  # the batch log is no rank's in particular
@@ -109,6 +120,35 @@ def leave_out(node: str, already: list[str], cap: int, needed: int, pool: list[s
                               f"{len(left)} of its {len(pool)} nodes ({', '.join(left) or 'none'}), fewer than the "
                               f"job's {needed}")
     return [node], None, None
+
+
+def hostnames(nodelist: str, run=subprocess.run) -> list[str]:
+    """A SLURM node list (``node[1,3]``) as names (``scontrol show hostnames``; [] when it cannot say)."""
+    if "[" not in nodelist:
+        return [n for n in nodelist.split(",") if n]
+    try:
+        r = run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return r.stdout.split() if r.returncode == 0 else []
+
+
+def down_nodes(names: list[str], run=subprocess.run) -> list[str]:
+    """Those of ``names`` that slurmctld holds down, failed or not responding now (sinfo's compact state:
+    ``down``, ``fail``, a ``*`` suffix)."""
+    if not names:
+        return []
+    try:
+        r = run(["sinfo", "-h", "-N", "-o", "%N %t", "-n", ",".join(names)], capture_output=True, text=True,
+                timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    out: list[str] = []
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        name, _, state = line.strip().partition(" ")
+        if (state.startswith(("down", "fail")) or state.endswith("*")) and name not in out:
+            out.append(name)
+    return out
 
 
 def partition_nodes(partition: str | None, run=subprocess.run) -> list[str] | None:

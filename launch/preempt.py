@@ -16,7 +16,9 @@ callable then
    (``scontrol requeue``, bounded by cluster.max_requeues); TERM → asks SLURM why (:func:`term_cause`):
    a preemption (PreemptMode=REQUEUE sends TERM, the job is RUNNING with a PreemptTime) requeues the
    job itself — a job that exits within its GraceTime would otherwise end COMPLETED — while
-   ``scancel``/``vitp cancel`` (the job is already COMPLETING) stops for good. A requeued attempt exits
+   ``scancel``/``vitp cancel`` (the job is already COMPLETING) stops for good, and a job SLURM requeued
+   itself (a node failed: COMPLETING with Restarts past this attempt's) records nothing, for the next
+   attempt finds out why (launch/attempts.py :func:`~launch.attempts.start_of_attempt`). A requeued attempt exits
    without a result pickle (submitit's ``done()`` and ``vitp submit --wait`` then keep waiting for it).
 
 A task that dies without a word (SIGKILL, OOM, segfault) is handled outside the tasks, by the batch
@@ -291,6 +293,8 @@ class StageJob:
                 raise RequeueLimitError(
                     f"stopped at step {step}: job already requeued {requeues} times "
                     f"(cluster.max_requeues={cfg.cluster.max_requeues}); resubmit to resume from the checkpoint")
+            if outcome is None:  # SLURM requeued the job itself (a node failed): the next attempt says why
+                raise SystemExit(0)
             append_event(folder, {"event": outcome, "restart": slurm.restart_count(), "step": step})
             if then == Next.END:  # the checkpoint is saved; nothing is requeued
                 summary["stop_reason"] = Stop.TIME_LIMIT if outcome == Outcome.TIME_LIMIT else Stop.CANCEL

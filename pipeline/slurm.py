@@ -54,18 +54,23 @@ def requeue_excluding(job_id: str, nodes: list[str], run=subprocess.run) -> bool
     return upd.returncode == 0
 
 
-def parse_term_cause(scontrol_text: str) -> Stop:
-    """`scontrol show job -o JOBID` at SIGTERM time -> PREEMPT | TIME_LIMIT | CANCEL.
+def parse_term_cause(scontrol_text: str, restart: int = 0) -> Stop:
+    """`scontrol show job -o JOBID` at SIGTERM time, in attempt ``restart`` -> PREEMPT | TIME_LIMIT | LOST |
+    CANCEL.
 
     Measured on SLURM 22.05: a job preempted with PreemptMode=REQUEUE gets TERM while it is still
     RUNNING with PreemptTime set (the grace period); a scancel'd job is already COMPLETING (or CANCELLED)
-    with PreemptTime=None; a requeued attempt starts with PreemptTime=None again."""
+    with PreemptTime=None; a requeued attempt starts with PreemptTime=None again. A job SLURM requeued
+    itself (NODE_FAIL: a node of it went down; or an admin's ``scontrol requeue``) is COMPLETING with
+    Restarts already past this attempt's: it comes back, so its TERM is no cancel."""
     fields = dict(kv.split("=", 1) for kv in scontrol_text.split() if "=" in kv)
     state = fields.get("JobState", "")
     if state == "RUNNING" and fields.get("PreemptTime", "None") not in ("None", "Unknown", "(null)", ""):
         return Stop.PREEMPT
     if state.startswith("TIMEOUT"):
         return Stop.TIME_LIMIT
+    if int(fields.get("Restarts", "0") or 0) > restart:
+        return Stop.LOST
     return Stop.CANCEL
 
 
@@ -76,4 +81,4 @@ def term_cause(job_id: str) -> Stop:
         r = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return Stop.CANCEL
-    return parse_term_cause(r.stdout) if r.returncode == 0 else Stop.CANCEL
+    return parse_term_cause(r.stdout, restart_count()) if r.returncode == 0 else Stop.CANCEL

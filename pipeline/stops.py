@@ -26,6 +26,7 @@ class Stop(_Word):
     REQUEUE = "requeue"  # USR2: the time limit is near; saved, requeued (bounded by cluster.max_requeues)
     PREEMPT = "preempt"  # TERM while RUNNING with a PreemptTime (PreemptMode=REQUEUE): saved, requeued
     TIME_LIMIT = "time_limit"  # TERM at the time limit itself: saved, ends
+    LOST = "lost"  # TERM after SLURM requeued the job itself (a node of it failed): saved where it can
 
 
 class Outcome(_Word):
@@ -35,6 +36,8 @@ class Outcome(_Word):
     CANCELLED = "cancelled"
     TIME_LIMIT = "time_limit"
     COMPLETED = "completed"
+    LOST = "lost"  # ended and requeued by SLURM itself, no node failure seen (an admin's scontrol requeue)
+    MOVED = "moved"  # started on a node the job leaves out: requeued without it before running anything
 
 
 class Next(_Word):
@@ -89,13 +92,15 @@ def job_reason(stage_reason: str | None, own: Stop | None) -> Stop:
 
 
 _ON_STOP = {Stop.REQUEUE: (Outcome.REQUEUED, Next.REQUEUE), Stop.PREEMPT: (Outcome.PREEMPTED, Next.REQUEUE),
-            Stop.TIME_LIMIT: (Outcome.TIME_LIMIT, Next.END), Stop.CANCEL: (Outcome.CANCELLED, Next.END)}
+            Stop.TIME_LIMIT: (Outcome.TIME_LIMIT, Next.END), Stop.CANCEL: (Outcome.CANCELLED, Next.END),
+            Stop.LOST: (None, Next.REQUEUE)}  # requeued already: the next attempt says why (launch/attempts.py)
 
 
 def after_stop(reason: Stop, term: Stop, requeues: int, max_requeues: int) -> tuple[Outcome | None, Next]:
     """A saved stop on SLURM: ``reason`` the job's (:func:`job_reason`), ``term`` what SLURM says the TERM
     was (a site may preempt with USR2 too), ``requeues`` time-limit requeues so far. -> (the attempt's
-    outcome, what next); (None, FAIL) when a time-limit requeue is due but cluster.max_requeues is used up."""
+    outcome, what next); (None, FAIL) when a time-limit requeue is due but cluster.max_requeues is used up;
+    (None, REQUEUE) when SLURM requeued the job itself: nothing to record or ask."""
     cause = (Stop.PREEMPT if term == Stop.PREEMPT else Stop.REQUEUE) if reason == Stop.REQUEUE else term
     if cause == Stop.REQUEUE and requeues >= max_requeues:
         return None, Next.FAIL

@@ -374,7 +374,7 @@ class ClusterCfg(Section):
     def _node_names(self):
         bad = [n for n in self.exclude_nodes or [] if not re.fullmatch(r"[\w.-]+", n)]
         if bad:
-            raise _problem(f"cluster.exclude_nodes: {bad[0]!r}: one node name per entry ([A-Za-z0-9_.-])")
+            raise problem(f"cluster.exclude_nodes: {bad[0]!r}: one node name per entry ([A-Za-z0-9_.-])")
         return self
 
 

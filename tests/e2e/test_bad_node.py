@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from launch.attempts import read_events
-from launch.jobs import read_index
+from launch.jobs import outcome, read_index, wait
 from tests.e2e.test_cluster_faults import COMMON, STEPS, Reference, jobs_listing, same_run
-from tests.e2e.test_submit_slurm import cli, job_id
+from tests.e2e.test_submit_slurm import Gate, cli, job_id
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -71,3 +72,44 @@ def test_a_rank_dead_of_a_gpu_fault_leaves_its_node_out_and_the_run_ends_like_an
         f"error: cluster.exclude_nodes: without node1, node3 partition {slurm_cluster.faults} keeps 1 of its 3 nodes, "
         "fewer than cluster.nodes=2"]
     assert [e["job_id"] for e in read_index(jobs)] == [jid]
+
+
+def node_state(node: str, state: str, reason: str | None = None) -> None:
+    cmd = ["scontrol", "update", f"NodeName={node}", f"State={state}"]
+    subprocess.run(cmd + ([f"Reason={reason}"] if reason else []), check=True, capture_output=True, text=True)
+
+
+def test_a_node_lost_mid_run_is_left_out_of_the_requeued_attempts(reference, slurm_cluster, tmp_path):
+    """node2 goes DOWN under a running job (slurmctld's NODE_FAIL: it kills the job, batch script
+    included, and requeues it itself, so no teardown runs): the next attempt finds srun's "Node failure
+    on node2" line in the log, records the lost attempt, and runs without node2. node2 comes back at
+    once (as a rebooted node does), so the requeued job may be given it again: then it requeues itself
+    without it before running anything."""
+    jobs, run = tmp_path / "jobs", tmp_path / "run"
+    ref = reference.finished()
+    gate = Gate(tmp_path / "gate", 6)
+    where = [f"run.dir={run}", f"cluster.log_dir={jobs}", f"cluster.partition={slurm_cluster.faults}"]
+    r = cli([*COMMON, *where], gate.env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    jid = job_id(r.stdout)
+    folder = jobs / jid
+    gate.held(6, folder)
+    try:
+        node_state(BAD, "DOWN", "vitp test: node lost")
+    finally:
+        node_state(BAD, "RESUME")
+    Path(f"{gate.path}.6").touch()
+    entries = read_index(jobs)
+    ok, line = outcome(entries[0], wait(entries, timeout_s=600)[jid])
+    assert ok, line
+    ev = read_events(folder)  # no "cancelled" from the ranks' TERM: SLURM had requeued the job already
+    assert [(e["event"], e["restart"]) for e in ev] in ([("failed", 0), ("completed", 1)],
+                                                         [("failed", 0), ("moved", 1), ("completed", 2)]), ev
+    assert (ev[0]["node"], ev[0]["fault"], ev[0]["excluded"], ev[0]["requeued"]) == (BAD, "node failure", [BAD], True)
+    ran_on, excluded = job_nodes(jid)
+    assert sorted(ran_on) == [n for n in slurm_cluster.faults_nodes if n != BAD] and excluded == BAD
+    same_run(run, ref)
+    listing = jobs_listing(jobs)
+    assert listing[2] == f"  attempt 0: failed: rank 1 on {BAD}: node failure; {BAD} excluded; requeued"
+    assert listing[3:-1] == ([f"  attempt 1: started on {BAD}, which the job leaves out: requeued without it"]
+                             if len(ev) == 3 else [])

@@ -11,12 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from launch.attempts import ATTEMPT_MARK, append_event, batch_lines, describe, end_of_attempt, read_events
+from launch.attempts import (
+    ATTEMPT_MARK,
+    MOVED_RC,
+    NODES_MARK,
+    append_event,
+    batch_lines,
+    describe,
+    end_of_attempt,
+    read_events,
+    start_of_attempt,
+)
 from launch.jobs import append_index, read_index
 from launch.nodes import Fault, carry_over, error_fault, find_fault, leave_out, nodes_left_problem, partition_nodes
 from launch.preempt import error_line
 from launch.submit import load_submit_config, slurm_parameters
-from pipeline import faults, slurm
+from pipeline import faults, slurm, stops
 from pipeline.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,3 +275,96 @@ def test_an_xid_in_the_dead_ranks_log_of_this_attempt_blames_its_node(tmp_path):
     assert calls[-1] == ("12", ["node2"])
     assert describe(read_events(tmp_path / "12")[-1]) == ("attempt 2: failed: rank 1 on node2: Xid 79; node2 "
                                                           "excluded; requeued")
+
+
+HOSTS = {"node[1-2]": ["node1", "node2"], "node[1,3]": ["node1", "node3"], "node[2-3]": ["node2", "node3"]}
+
+
+def _lost_attempt(tmp_path: Path, restart: int, nodes: str, *lines: str) -> dict:
+    """An attempt NODE_FAIL ended (no teardown ran), then the next attempt's start on ``NODELIST``."""
+    folder = tmp_path / "12"
+    folder.mkdir(exist_ok=True)
+    with open(folder / "12_0_log.err", "a") as f:
+        f.write("".join(f"{x}\n" for x in (ATTEMPT_MARK.format(restart=restart, job=12),
+                                           NODES_MARK.format(nodes=nodes), *lines)))
+    return {**ENV, "SLURM_RESTART_COUNT": str(restart + 1), "SLURM_NTASKS_PER_NODE": "1"}
+
+
+def test_the_next_attempt_records_a_node_slurm_lost_and_moves_off_it(tmp_path, capsys):
+    calls = []
+    job = {"requeue": lambda *a: calls.append(a), "pool": POOL, "hostnames": HOSTS.get, "down": lambda names: []}
+    assert start_of_attempt(tmp_path, 5, environ={**ENV, "SLURM_JOB_NODELIST": "node[1-2]"}, **job) == 0  # restart 0
+    env = _lost_attempt(tmp_path, 0, "node[1-2]", "srun: error: Node failure on node2", "srun: forcing job termination")
+    # SLURM requeued the job and gave it node2 again (a node that rebooted comes back): it moves off it, once
+    assert start_of_attempt(tmp_path, 5, environ={**env, "SLURM_JOB_NODELIST": "node[1-2]"}, **job) == MOVED_RC
+    assert calls == [("12", ["node2"])]
+    ev = read_events(tmp_path / "12")
+    assert [describe(e) for e in ev] == [
+        "attempt 0: failed: rank 1 on node2: node failure; node2 excluded; requeued",  # srun said no task: node 2 of 2
+        "attempt 1: started on node2, which the job leaves out: requeued without it"]
+    assert ev[0]["error"] == "node failure: node2 (NODE_FAIL)"
+    assert capsys.readouterr().err.splitlines() == [f"vitp: {describe(e)}" for e in ev]
+    again = {**env, "SLURM_RESTART_COUNT": "2"}  # the update did not take: run where SLURM put it
+    assert start_of_attempt(tmp_path, 5, environ={**again, "SLURM_JOB_NODELIST": "node[1-2]"}, **job) == 0
+    assert start_of_attempt(tmp_path, 5, environ={**again, "SLURM_JOB_NODELIST": "node[1,3]"}, **job) == 0
+    assert len(read_events(tmp_path / "12")) == 2 and len(calls) == 1
+    # the end of a later attempt that fails on another node leaves out both
+    end = _attempt(tmp_path, 2, "node3", "RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert end_of_attempt(tmp_path, 1, 5, environ=end, requeue=lambda *a: calls.append(a), pool=[*POOL, "node4"]) == 0
+    assert calls[-1] == ("12", ["node2", "node3"])
+
+
+def test_a_lost_batch_host_an_unexplained_requeue_and_failures_used_up(tmp_path):
+    calls = []
+    job = {"requeue": lambda *a: calls.append(a), "pool": POOL, "hostnames": HOSTS.get}
+    # the batch host's log ends without srun's word: the node of that attempt slurmctld holds down now
+    env = _lost_attempt(tmp_path, 0, "node[2-3]", "step 5")
+    assert start_of_attempt(tmp_path, 5, environ={**env, "SLURM_JOB_NODELIST": "node[1,3]"},
+                            down=lambda names: ["node2"] if names == ["node2", "node3"] else [], **job) == 0
+    assert describe(read_events(tmp_path / "12")[-1]) == (
+        "attempt 0: failed: rank 0 on node2: node failure; node2 excluded; requeued")
+    # no node lost (an admin's scontrol requeue): recorded as such, nothing left out
+    env = _lost_attempt(tmp_path, 1, "node[1,3]", "step 7")
+    assert start_of_attempt(tmp_path, 5, environ={**env, "SLURM_JOB_NODELIST": "node[1,3]"},
+                            down=lambda names: [], **job) == 0
+    assert describe(read_events(tmp_path / "12")[-1]) == ("attempt 1: ended and requeued by SLURM itself (no node "
+                                                          "failure seen)")
+    # an attempt the ranks recorded themselves (a preemption) adds nothing
+    _lost_attempt(tmp_path, 2, "node[1,3]")
+    append_event(tmp_path / "12", {"event": "preempted", "restart": 2, "step": 8})
+    assert start_of_attempt(tmp_path, 5, environ={**env, "SLURM_RESTART_COUNT": "3", "SLURM_JOB_NODELIST": "node[1,3]"},
+                            down=lambda names: [], **job) == 0
+    assert len(read_events(tmp_path / "12")) == 3 and calls == []
+    # cluster.max_failures used up: the requeued attempt ends at once, the job fails (node3 is not left out:
+    # with node2 out too, partition faults would keep one node for a job of two)
+    env = _lost_attempt(tmp_path, 3, "node[1,3]", "srun: error: Node failure on node3")
+    assert start_of_attempt(tmp_path, 1, environ={**env, "SLURM_JOB_NODELIST": "node[1-2]"},
+                            down=lambda names: [], **job) == 1
+    assert describe(read_events(tmp_path / "12")[-1]) == (
+        "attempt 3: failed: rank 1 on node3: node failure; not requeued (cluster.max_failures=1 used up)")
+    assert calls == []
+
+
+def test_a_term_after_slurm_requeued_the_job_is_no_cancel():
+    """Measured on the local cluster: a job whose node went DOWN is COMPLETING with Restarts=1 when
+    attempt 0's ranks get TERM; a scancel'd one keeps Restarts=0."""
+    lost = "JobId=415 JobState=COMPLETING Reason=None Restarts=1 PreemptTime=None NodeList=node1"
+    assert slurm.parse_term_cause(lost, restart=0) == stops.Stop.LOST
+    assert slurm.parse_term_cause(lost, restart=1) == stops.Stop.CANCEL
+    assert stops.after_stop(stops.Stop.CANCEL, stops.Stop.LOST, 0, 3) == (None, stops.Next.REQUEUE)
+
+
+@pytest.mark.parametrize("rc", [0, MOVED_RC, 1])
+def test_the_setup_lines_run_the_start_check_on_a_requeued_attempt(tmp_path, rc):
+    fake = tmp_path / "py"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\nexit {rc}\n")
+    fake.chmod(0o755)
+    setup, _ = batch_lines("jobs", 2, python=str(fake), exclude=["node2"])
+    script = "\n".join(["f() {", *setup, "echo srun ran", "}", "f; echo \"exit $?\""])
+    script = script.replace("|| exit ", "|| return ")  # a function stands for the batch script
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True,
+                         env={"SLURM_RESTART_COUNT": "1", "SLURM_JOB_ID": "12", "SLURM_JOB_NODELIST": "node[1-2]"})
+    assert out.stderr.splitlines() == ["vitp: attempt 1 of job 12 starts", "vitp: attempt nodes node[1-2]"]
+    lines = out.stdout.splitlines()
+    assert ("srun ran" in lines, lines[-1]) == (rc == 0, f"exit {0 if rc == MOVED_RC else rc}")
+    assert (tmp_path / "args").read_text().split()[-3:] == ["--exclude", "node2", "--start"]

@@ -68,7 +68,8 @@ def profile_steps(a):
 
     from pipeline import faults
     from pipeline.config import load_config
-    from pipeline.distributed import free_port, leave_process_group
+    from pipeline.distributed import leave_process_group
+    from pipeline.network import free_port
     from pipeline.pretrain import pretrain
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",

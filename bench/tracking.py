@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pipeline.distributed import free_port
+from pipeline.network import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

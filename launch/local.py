@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.distributed import free_port
+from pipeline.network import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # After one rank failed (or the timeout): SIGTERM the others, SIGKILL what is left this much later.

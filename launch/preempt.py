@@ -42,8 +42,9 @@ from pathlib import Path
 
 from launch.attempts import append_event, count, read_events
 from pipeline import faults, hang, slurm, stops
-from pipeline.distributed import DistEnv, export_env, leave_process_group, rendezvous_port, setup
+from pipeline.distributed import DistEnv, export_env, leave_process_group, setup
 from pipeline.files import write_json
+from pipeline.network import rendezvous_port
 from pipeline.stops import Next, Outcome, Stop
 
 # Stages whose loop polls pipeline.stops every step and saves collectively when asked.

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass
 
 from pipeline import slurm
+from pipeline.network import free_port, port_free, rendezvous_port
 from pipeline.stops import Classified
 from pipeline.threads import use_cpu_threads
 
@@ -107,35 +108,6 @@ class RendezvousError(Classified, RuntimeError):
     """The ranks could not meet (port taken, a rank never arrived); the message is one line."""
 
     exit_code = 2
-
-
-def rendezvous_port(job_id: str, restart: int = 0) -> int:
-    """A port every task of a job derives alone; a requeued job (restart > 0) gets a fresh one,
-    so a socket of the previous attempt lingering in TIME_WAIT cannot clash."""
-    digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
-    return 20000 + (int(digits) * 7 + restart) % 20000
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for single-node rendezvous)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_free(port: int, host: str = "") -> bool:
-    """True when ``port`` can be bound here (SO_REUSEADDR, like torch's TCPStore server)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 class AcceleratorError(Classified, RuntimeError):

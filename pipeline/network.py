@@ -1,7 +1,8 @@
 """Which network interface this node's gloo traffic uses: the one that routes to MASTER_ADDR
 (:func:`choose_gloo_interface`), not whatever the hostname resolves to on a multi-NIC node; on the
 master node of a job that spans nodes, never loopback. pipeline.distributed calls it when it joins a
-group of more than one process.
+group of more than one process. Also the rendezvous ports: a SLURM job's (:func:`rendezvous_port`) and a
+single node's (:func:`free_port`).
 """
 
 from __future__ import annotations
@@ -167,3 +168,42 @@ def choose_gloo_interface(master_addr: str, environ=None, *, spans_nodes: bool =
     if name:
         env["GLOO_SOCKET_IFNAME"] = name
     return name
+
+
+def rendezvous_port(job_id: str, restart: int = 0) -> int:
+    """A port every task of a job derives alone; a requeued job (restart > 0) gets a fresh one,
+    so a socket of the previous attempt lingering in TIME_WAIT cannot clash."""
+    digits = "".join(ch for ch in str(job_id) if ch.isdigit()) or "0"
+    return 20000 + (int(digits) * 7 + restart) % 20000
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds right now (for single-node rendezvous), below the kernel's
+    ephemeral range and :func:`rendezvous_port`'s: the ranks bind it later, and a port the kernel hands out
+    to any outgoing connection meanwhile (another job's, a tracking client's) would be taken by then. Drawn
+    from the OS's randomness: a process that seeded ``random`` alike must not draw alike."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = min(low, 20000)
+    for port in random.SystemRandom().sample(range(10000, top), min(64, max(0, top - 10000))):
+        if port_free(port, "127.0.0.1"):
+            return port
+    with socket.socket() as s:  # no such range here: the kernel's choice
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int, host: str = "") -> bool:
+    """True when ``port`` can be bound here (SO_REUSEADDR, like torch's TCPStore server)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from launch.local import run_local
-from pipeline.distributed import cuda_problem, free_port
+from pipeline.distributed import cuda_problem
+from pipeline.network import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")

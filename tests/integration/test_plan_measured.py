@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.distributed import free_port
+from pipeline.network import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDTH, DEPTH, HEADS, MLP, PATCH, IMG, CLASSES, MICRO = 512, 8, 8, 2048, 8, 64, 10, 8

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from launch.local import run_local
-from pipeline.distributed import free_port
+from pipeline.network import free_port
 from tests.data_prep_fixtures import build_corpus, vitp_prep
 
 pytestmark = pytest.mark.distributed

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 import pipeline.distributed as pd
-from pipeline.distributed import DistEnv, free_port
+from pipeline.distributed import DistEnv
+from pipeline.network import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 META = torch.device("meta")

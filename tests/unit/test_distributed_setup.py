@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import pipeline.distributed as pd
 from pipeline.config import EvalConfig, load_config
+from pipeline.network import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def one_rank(monkeypatch):
     """A launcher's environment for one rank; restored (and the group left) afterwards."""
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(pd.free_port()), "DS_ACCELERATOR": "cuda"}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cuda"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     yield
@@ -74,7 +75,7 @@ def test_the_stage_command_refuses_before_training(tmp_path):
     """`vitp pretrain` under a launcher's variables (torchrun's): exit 2, one line, the run dir untouched."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_", "LOCAL_", "MASTER_", "SLURM_"))}
     env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(pd.free_port()), PYTHONPATH=str(ROOT))
+               MASTER_PORT=str(free_port()), PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "launch.cli", "pretrain", "--config",
                         str(ROOT / "configs/pretrain/tiny_cpu.yaml"), "cluster.gpus_per_node=1",
                         "data.path=synthetic", "train.steps=1", "tracking.enabled=false", f"run.dir={tmp_path / 'r'}"],
@@ -95,3 +96,22 @@ def test_a_ranks_threads_come_from_cpus_per_task_whatever_the_launcher_put_in_th
     assert pd.use_cpu_threads(2) is None  # nothing to say when the environment agrees (a second setup)
     monkeypatch.delenv("OMP_NUM_THREADS")  # submitit's local executor, a SLURM task: nothing set
     assert pd.use_cpu_threads(1) is None and torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_free_port_is_one_no_outgoing_connection_can_be_handed_meanwhile():
+    """The local launcher picks the port and the ranks bind it later: a port of the kernel's ephemeral
+    range could be given to any connection in between (it was, once, under the full suite)."""
+    import random
+    import socket
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    state = random.getstate()
+    random.seed(0)
+    try:
+        ports = {free_port() for _ in range(20)}
+    finally:
+        random.setstate(state)
+    assert all(10000 <= p < min(low, 20000) for p in ports) and len(ports) > 1  # not drawn from random's seed
+    port = ports.pop()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free for the rank that binds it

@@ -102,7 +102,7 @@ def one_rank(monkeypatch):
     """A 1-rank gloo group for an in-process DeepSpeed engine; destroyed afterwards."""
     import torch.distributed as dist
 
-    from pipeline.distributed import free_port
+    from pipeline.network import free_port
 
     for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                      MASTER_PORT=str(free_port())).items():
@@ -352,7 +352,8 @@ def test_compiled_blocks_stay_within_their_variants_and_say_when_one_falls_back(
 _KNOBS = """
 import json, os, sys, torch, torch.nn.functional as F
 from pipeline.config import load_config
-from pipeline.distributed import free_port, setup
+from pipeline.distributed import setup
+from pipeline.network import free_port
 from pipeline.model import build_vit
 from pipeline.train import engine
 os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

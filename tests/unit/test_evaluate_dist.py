@@ -7,9 +7,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.config import DataCfg
-from pipeline.distributed import free_port
 from pipeline.eval.evaluators import score_model
 from pipeline.model import build_vit
+from pipeline.network import free_port
 
 DATA = "synthetic:classes=3,train=30,val=21"  # 21 = an uneven split over 2 ranks
 

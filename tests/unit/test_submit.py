@@ -26,7 +26,8 @@ from launch.submit import (
     split_shards,
 )
 from pipeline.config import ConfigError
-from pipeline.distributed import DistEnv, RendezvousError, free_port, init_process_group, port_free, rendezvous_port
+from pipeline.distributed import DistEnv, RendezvousError, init_process_group
+from pipeline.network import free_port, port_free, rendezvous_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")

@@ -8,8 +8,8 @@ import warnings
 import pytest
 from mlflow import MlflowClient
 
-from pipeline.distributed import free_port
 from pipeline.eval.figures import loss_curve_png
+from pipeline.network import free_port
 from pipeline.tracking import Sink
 from pipeline.tracking.mlflow_sink import SPOOL
 from pipeline.tracking.mlflow_sink import MlflowSink as Tracker

@@ -17,7 +17,7 @@ import pytest
 from launch.attempts import read_events
 from launch.jobs import outcome, read_index, wait
 from tests.e2e.test_cluster_faults import COMMON, STEPS, Reference, jobs_listing, same_run
-from tests.e2e.test_submit_slurm import Gate, cli, job_id
+from tests.e2e.test_submit_slurm import Gate, cli, job_id, poll
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -74,9 +74,23 @@ def test_a_rank_dead_of_a_gpu_fault_leaves_its_node_out_and_the_run_ends_like_an
     assert [e["job_id"] for e in read_index(jobs)] == [jid]
 
 
-def node_state(node: str, state: str, reason: str | None = None) -> None:
-    cmd = ["scontrol", "update", f"NodeName={node}", f"State={state}"]
-    subprocess.run(cmd + ([f"Reason={reason}"] if reason else []), check=True, capture_output=True, text=True)
+def node_down(node: str) -> None:
+    subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=vitp test: node lost"],
+                   check=True, capture_output=True, text=True)
+
+
+def node_back(node: str) -> None:
+    """``node`` up again: RESUME while slurmctld still holds it down (its slurmd, alive, may re-register
+    it first under ReturnToService=2, and then RESUME is refused as a state change it cannot make)."""
+    def up() -> bool:
+        state = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], capture_output=True, text=True,
+                               check=True).stdout.split()
+        if state and not state[0].startswith(("down", "drain", "fail")):
+            return True
+        subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], capture_output=True)
+        return False
+
+    poll(up, 60, f"{node} back up")
 
 
 def test_a_node_lost_mid_run_is_left_out_of_the_requeued_attempts(reference, slurm_cluster, tmp_path):
@@ -95,9 +109,9 @@ def test_a_node_lost_mid_run_is_left_out_of_the_requeued_attempts(reference, slu
     folder = jobs / jid
     gate.held(6, folder)
     try:
-        node_state(BAD, "DOWN", "vitp test: node lost")
+        node_down(BAD)
     finally:
-        node_state(BAD, "RESUME")
+        node_back(BAD)
     Path(f"{gate.path}.6").touch()
     entries = read_index(jobs)
     ok, line = outcome(entries[0], wait(entries, timeout_s=600)[jid])

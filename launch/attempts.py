@@ -93,19 +93,14 @@ def describe(event: dict) -> str:
 # --------------------------------------------------------------------------------------------------
 # The batch script's end of an attempt
 # --------------------------------------------------------------------------------------------------
-_SRUN_TASK = re.compile(r"^srun: error: (?P<node>\S+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+?)\s*$")
 _SIGNALS = {signal.strsignal(s): s.name for s in signal.Signals if signal.strsignal(s)}
 
 
 def first_dead_task(log_text: str) -> tuple[int, str] | None:
     """srun's report of the first task that ended badly: (rank, "killed by SIGKILL" | "exit code 1"), from
     lines like ``srun: error: node2: task 1: Killed`` or ``...: tasks 0-3: Exited with exit code 1``."""
-    for line in log_text.splitlines():
-        m = _SRUN_TASK.match(line)
-        if not m:
-            continue
-        rank = int(re.split(r"[,\-]", m["tasks"])[0])
-        what = m["what"]
+    for task in nodes.srun_tasks(log_text):
+        rank, what = task.ranks[0], task.what
         code = re.fullmatch(r"Exited with exit code (\d+)", what)
         if code:
             return rank, f"exit code {code[1]}"

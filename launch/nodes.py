@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,7 +34,7 @@ _ERRORS = (("NCCL error", re.compile(r"\bNCCL (?:error|communicator was aborted)
 _XID = re.compile(r"NVRM: Xid \([^)]*\): (\d+)")
 APP_XIDS = frozenset({13, 31, 43, 45})  # NVIDIA: an application's fault (or its cleanup), not the GPU's
 _NODE_FAIL = re.compile(r"^srun: error: Node failure on (?P<node>\S+)\s*$", re.M)
-_SRUN_TASK = re.compile(r"^srun: error: (?P<node>[^\s:]+): tasks? (?P<tasks>[0-9,\-]+): ", re.M)
+_SRUN_TASK = re.compile(r"^srun: error: (?P<node>[^\s:]+): tasks? (?P<tasks>[0-9,\-]+): (?P<what>.+?)\s*$", re.M)
 
 
 class Fault(NamedTuple):
@@ -56,19 +57,27 @@ def xid_fault(text: str) -> str | None:
     return None
 
 
-def _ranks(spec: str) -> set[int]:
-    out: set[int] = set()
-    for part in spec.split(","):
-        a, _, b = part.partition("-")
-        out.update(range(int(a), int(b or a) + 1))
-    return out
+class SrunTask(NamedTuple):
+    node: str
+    ranks: list[int]  # ascending
+    what: str  # "Killed", "Exited with exit code 1", ...
+
+
+def srun_tasks(log_text: str) -> Iterator[SrunTask]:
+    """srun's reports of tasks that ended badly, in order (``srun: error: node2: tasks 1-3: Killed``)."""
+    for m in _SRUN_TASK.finditer(log_text):
+        ranks: set[int] = set()
+        for part in m["tasks"].split(","):
+            a, _, b = part.partition("-")
+            ranks.update(range(int(a), int(b or a) + 1))
+        yield SrunTask(m["node"], sorted(ranks), m["what"])
 
 
 def node_of(log_text: str, rank) -> str | None:
     """The node srun says task ``rank`` ended on (``srun: error: node2: task 1: Killed``)."""
     if not isinstance(rank, int):
         return None
-    return next((m["node"] for m in _SRUN_TASK.finditer(log_text) if rank in _ranks(m["tasks"])), None)
+    return next((t.node for t in srun_tasks(log_text) if rank in t.ranks), None)
 
 
 def lost_node(log_text: str) -> str | None:
@@ -79,7 +88,7 @@ def lost_node(log_text: str) -> str | None:
 
 def task_on(log_text: str, node: str):
     """The first task srun reports ended on ``node`` (``srun: error: node2: task 1: Terminated``), or "?"."""
-    return next((min(_ranks(m["tasks"])) for m in _SRUN_TASK.finditer(log_text) if m["node"] == node), "?")
+    return next((t.ranks[0] for t in srun_tasks(log_text) if t.node == node), "?")
 
 
 def find_fault(log_text: str, why: dict, rank_log: str = "") -> Fault | None:

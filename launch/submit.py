@@ -26,7 +26,8 @@ import time
 import uuid
 from pathlib import Path
 
-from .attempts import batch_lines
+from . import nodes
+from .attempts import batch_lines, read_events
 from .jobs import (  # noqa: F401 (cli table)
     append_index,
     cancel_main,
@@ -232,9 +233,6 @@ def check_run_dir(cfg, stage: str) -> None:
 def check_nodes(cfg, stage: str, cluster: str) -> None:
     """The nodes the run dir's last job left out are left out again unless cluster.exclude_nodes says
     otherwise (launch/nodes.py); refused when they leave the partition too few nodes for the job."""
-    from . import nodes
-    from .attempts import read_events
-
     note = nodes.carry_over(cfg, stage, read_index(cfg.cluster.log_dir), read_events)
     if note:
         print(note, file=sys.stderr, flush=True)

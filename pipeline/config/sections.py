@@ -165,6 +165,7 @@ class DataCfg(Section):
     resampled: Bool = False  # sample shards with replacement (pre-training at scale)
     crop_scale: List(Float) = Field(default_factory=lambda: [0.08, 1.0])
     hflip: Bool = True
+    random_crop: Bool = True  # false: no inception crop, the whole image resized (VTAB counts, distances)
     randaugment: Str | None = None  # timm string, e.g. "rand-m9-mstd0.5"
     mixup: Float = Field(0.0, ge=0.0)
     cutmix: Float = Field(0.0, ge=0.0)

@@ -6,7 +6,7 @@ that name where it runs and where it is tracked (not what it computes): ``run.di
 ``tracking.*``, ``cluster.log_dir``. A final's identity also holds its dataset's grid (the configs of
 the cells its lr was chosen on), so a changed grid changes the final that depends on it.
 
-    suite_identity.json   {"digest": <sha256 of the rest>, "source", "source_digest", "config": {...},
+    .suite_identity.json  {"digest": <sha256 of the rest>, "source", "source_digest", "config": {...},
                            "grid": [<grid cells' digests>] (a final's)}
 
 A completed cell is reused only when its recorded identity equals the one asked for now; otherwise
@@ -21,7 +21,7 @@ import json
 import shutil
 from pathlib import Path
 
-IDENTITY_FILE = "suite_identity.json"
+IDENTITY_FILE = ".suite_identity.json"  # a dot file: the transfer stage leaves it be in its run dir
 _NOT_IDENTITY = ("run.dir", "run.fresh", "tracking.", "cluster.log_dir")
 
 

@@ -81,7 +81,7 @@ def test_rerun_changed_reruns_the_changed_cells_and_their_finals(made):  # noqa:
     assert got[("a", "final", 0.01)] == "completed" and got[("a", "final", 0.03)] == "superseded"
     for r in table:
         if r["status"] == "completed":
-            assert json.loads((Path(r["run_dir"]) / "suite_identity.json").read_text())["source"] == str(other)
+            assert json.loads((Path(r["run_dir"]) / ".suite_identity.json").read_text())["source"] == str(other)
     assert run_suite(_suite(made, pre=other), run_cell=lambda *a: pytest.fail("a cell ran")) == table
 
 

@@ -134,7 +134,7 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--img-size", type=int, default=None, help="evaluate at this resolution (pos-emb resampled)")
     p.add_argument("--batch", type=int, default=64, help="images per rank per batch (default: 64)")
     p.add_argument("--max-train-images", type=int, default=None,
-                   help="per rank, cap on training images read for few-shot / linear probe features")
+                   help="the linear probe's training images, in all (a seeded draw; default: the whole split)")
     p.add_argument("--out", default=None, help="where results.json and artifacts go (default: the run dir, "
                                                "else ./eval_<checkpoint name>)")
     p.add_argument("--evals", default=None, metavar="FILE",

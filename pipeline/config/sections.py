@@ -405,7 +405,7 @@ class EvalCfg(Section):
     fewshot: Bool = False
     variant: Str | None = None  # architecture of a weights file that does not say it, e.g. vit_b16
     img_size: Int | None = Field(None, ge=1)  # evaluate at this resolution (pos-emb resampled)
-    max_train_images: Int | None = Field(None, ge=1)  # per rank, for few-shot / probe features
+    max_train_images: Int | None = Field(None, ge=1)  # the linear probe's training images, in all (seeded draw)
     out: Str | None = None  # results.json and artifacts; default: the run dir, else ./eval_<name>
 
     @model_validator(mode="after")

@@ -218,6 +218,28 @@ def linear_probe(train_x: torch.Tensor, train_y: torch.Tensor, test_x: torch.Ten
     return {"top1": top1, "train_top1": train_top1}
 
 
+PROBE_L2_GRID = (1e-5, 1e-4, 1e-3, 1e-2, 1e-1)  # the linear probe's l2 candidates (whitened features)
+
+
+def choose_probe_l2(train_x: torch.Tensor, train_y: torch.Tensor, num_classes: int, grid=PROBE_L2_GRID,
+                    holdout_fraction: float = 0.2, seed: int = 0) -> tuple[float, dict[float, float]]:
+    """The linear probe's l2, chosen on held-out data: a seeded ``holdout_fraction`` of the training
+    rows (at least one, leaving at least one) is scored by a probe fitted on the rest, for each l2 of
+    ``grid``; the best held-out top-1 wins (ties: the larger l2). train_x: [N, D], train_y: [N], rows
+    in a fixed order (the split's positions), so the choice is the same however many ranks read them.
+    -> (l2, {l2: held-out top-1})."""
+    _check(train_x, train_y, "linear probe train set")
+    n = len(train_y)
+    if n < 2:
+        raise ValueError(f"linear probe: {n} training image(s); choosing l2 on held-out data needs 2 or more")
+    order = torch.from_numpy(np.random.default_rng(seed).permutation(n))
+    k = min(n - 1, max(1, round(holdout_fraction * n)))
+    held, fit = order[:k], order[k:]
+    scores = {float(l2): linear_probe(train_x[fit], train_y[fit], train_x[held], train_y[held], num_classes,
+                                      l2=float(l2))["top1"] for l2 in grid}
+    return max(scores, key=lambda l2: (scores[l2], l2)), scores
+
+
 def format_fewshot(results: dict[int, dict]) -> str:
     """One line per shot count, e.g. '5-shot: 71.20 ± 0.85 % (3 seeds)'."""
     lines = []

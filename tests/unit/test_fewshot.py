@@ -208,3 +208,20 @@ def test_fewshot_default_l2_agrees_with_an_independent_numpy_reference(n_per_cla
     res = fewshot_accuracy(torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte),
                            torch.from_numpy(yte), c, shots=(n_per_class,), seeds=1)
     assert res[n_per_class]["mean"] == pytest.approx(acc, abs=1e-12)
+
+
+def test_probe_l2_is_chosen_on_held_out_rows():
+    from pipeline.eval.fewshot import choose_probe_l2
+
+    rng = np.random.default_rng(3)
+    y = np.repeat(np.arange(3), 20)
+    x = torch.from_numpy(rng.normal(size=(60, 6)) + 2.0 * np.eye(3, 6)[y])
+    y = torch.from_numpy(y)
+    l2, scores = choose_probe_l2(x, y, 3, grid=(1e-4, 1.0, 100.0), holdout_fraction=0.25, seed=0)
+    held = torch.from_numpy(np.random.default_rng(0).permutation(60))[:15]
+    fit = torch.from_numpy(np.random.default_rng(0).permutation(60))[15:]
+    for c, s in scores.items():  # each candidate: fitted on the other 45 rows, scored on the 15 held out
+        assert s == linear_probe(x[fit], y[fit], x[held], y[held], 3, l2=c)["top1"]
+    assert scores[l2] == max(scores.values()) and l2 == max(c for c, s in scores.items() if s == scores[l2])
+    with pytest.raises(ValueError, match="needs 2 or more"):
+        choose_probe_l2(x[:1], y[:1], 3)

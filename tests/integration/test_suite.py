@@ -175,3 +175,53 @@ def test_another_checkpoint_is_refused_then_rerun_changed_reruns_it(tiny_referen
     parents = {x["tags"]["vitp.checkpoint"]: x for x in runs if x["tags"].get("stage") == "suite"}
     assert set(parents) == {str(pre), str(earlier)}
     assert parents[str(earlier)]["metrics"]["suite/shapes_a/test_top1"] == pytest.approx(float(final["test_top1"]))
+
+
+def test_superseded_final_is_tagged_and_parents_are_per_checkpoint(mlflow_server, tmp_path):
+    """No cell trains: a final's MLflow run (made as the transfer stage makes it) whose lr is no longer
+    chosen is tagged superseded when the suite publishes; the parent's metrics leave it out; another
+    checkpoint into the same OUT gets its own parent run."""
+    from launch.suite import Suite, finish_if_done
+    from pipeline.tracking.setup import Tracking
+
+    write_dataset(tmp_path / "a", {"train": [10, 10], "test": [6]})
+    spec = yaml.safe_load((ROOT / "configs/suite/tiny.yaml").read_text())
+    spec.update(transfer_config=str(ROOT / spec["transfer_config"]),
+                datasets=[{"name": "a", "data": str(tmp_path / "a")}])
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    pre, exp = tmp_path / "pre.safetensors", f"suite-{uuid.uuid4().hex[:10]}"
+    pre.write_bytes(b"weights")
+
+    def suite() -> Suite:
+        return Suite(str(tmp_path / "s.yaml"), [f"init.from={pre}", f"run.dir={tmp_path / 'out'}",
+                                                f"tracking.uri={mlflow_server}", f"tracking.experiment={exp}"])
+
+    s = suite()
+    old = s.final("a", 0.03)
+    s.prepare(old)
+    sink = Tracking(s.base.tracking, old.run_dir, rank=0).mlflow(world_size=1, stage="transfer")
+    sink.log({"final/test/top1": 0.5}, 2)
+    sink.close(status="FINISHED")
+    (old.run_dir / "results.json").write_text(json.dumps({"test/top1": 0.5, "mlflow_run_id": sink.run_id}))
+    for c, v in zip(s.grid["a"], (0.9, 0.1)):  # the fixed lr 0.01 cell now wins
+        s.prepare(c)
+        (c.run_dir / "results.json").write_text(json.dumps({"minival/top1": v}))
+    new = s.final("a", 0.01)
+    s.prepare(new)
+    (new.run_dir / "results.json").write_text(json.dumps({"test/top1": 0.7}))
+
+    table = finish_if_done(suite())
+    assert [(r["lr"], r["status"]) for r in table if r["phase"] == "final"] == [(0.01, "completed"),
+                                                                               (0.03, "superseded")]
+    run = run_of(mlflow_server, sink.run_id)
+    assert run["tags"]["vitp.suite_status"] == "superseded" and run["info"]["status"] == "FINISHED"
+    state = json.loads((tmp_path / "out" / "suite_state.json").read_text())
+    (first,) = state["parents"].values()
+    parent = run_of(mlflow_server, first["mlflow_run_id"])
+    assert parent["metrics"]["suite/mean_test_top1"] == pytest.approx(0.7)
+    assert parent["metrics"]["suite/a/lr"] == 0.01 and parent["tags"]["vitp.checkpoint"] == str(pre)
+
+    pre.write_bytes(b"other weights")  # same path, another checkpoint: another parent run
+    finish_if_done(suite())
+    parents = json.loads((tmp_path / "out" / "suite_state.json").read_text())["parents"]
+    assert len(parents) == 2 and len({p["mlflow_run_id"] for p in parents.values()}) == 2

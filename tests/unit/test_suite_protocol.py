@@ -184,3 +184,17 @@ def test_groups_and_repeats_in_the_tables(made):  # noqa: F811
     m = metrics(table)
     assert m["suite/a/test_top1"] == pytest.approx(0.6) and m["suite/a/test_top1_std"] == pytest.approx(0.1)
     assert m["suite/natural/mean_test_top1"] == pytest.approx(0.6) and m["suite/mean_test_top1"] == pytest.approx(0.4)
+
+
+def test_paper_suite_is_table_4(tmp_path):
+    s = Suite(str(ROOT / "configs/suite/paper.yaml"), [f"init.from={tmp_path}", f"run.dir={tmp_path}/out"])
+    got = {}
+    for d in s.spec.datasets:
+        grid = cell_config(s.spec, s.grid[d.name][0])
+        final = cell_config(s.spec, s.final(d.name, s.grid[d.name][-1].lr))
+        got[d.name] = ([c.lr for c in s.grid[d.name]], grid.data.minival_fraction, grid.train.steps,
+                       grid.model.img_size, grid.optim.ema, final.data.minival_fraction)
+    paper = [0.001, 0.003, 0.01, 0.03]
+    assert got == {"imagenet": ([0.003, 0.01, 0.03, 0.06], 0.01, 20000, 512, 0.9999, 0.0),
+                   "cifar10": (paper, 0.02, 10000, 384, None, 0.0), "cifar100": (paper, 0.02, 10000, 384, None, 0.0),
+                   "pets": (paper, 0.1, 500, 384, None, 0.0), "flowers": (paper, 0.1, 500, 384, None, 0.0)}

@@ -139,8 +139,9 @@ def test_report_compares_checkpoints(tmp_path):
         out.mkdir()
         write_tables(out, [{"dataset": d, "phase": "final", "lr": 0.01, "test_top1": v, "status": "completed"}
                            for d, v in zip(("pets", "flowers"), scores)])
+    (tmp_path / "two" / "suite_state.json").write_text(json.dumps({"checkpoint_name": "vit_b16"}))
     md, png = report(tmp_path / "one", [str(tmp_path / "two")])
-    assert md.read_text().splitlines() == ["| dataset | one | two |", "|---|---:|---:|", "| pets | 50.00 | 60.00 |",
+    assert md.read_text().splitlines() == ["| dataset | one | vit_b16 |", "|---|---:|---:|", "| pets | 50.00 | 60.00 |",
                                            "| flowers | 70.00 | 90.00 |", "| **mean** | 60.00 | 75.00 |"]
     assert png.stat().st_size > 1000
     assert markdown([("x", {"a": None})]).splitlines()[-1] == "| **mean** | - |"

@@ -86,7 +86,7 @@ def checkpoint_name(source: str) -> str:
     import yaml
 
     p = Path(source.rstrip("/"))
-    if p.is_file():
+    if not p.is_dir():  # a weights file (here or at a remote address)
         return p.parent.name if p.name == "model.safetensors" else p.stem
     run_dir = p.parents[1] if p.parent.name == "checkpoints" else p
     try:

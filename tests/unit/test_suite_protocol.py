@@ -198,3 +198,16 @@ def test_paper_suite_is_table_4(tmp_path):
     assert got == {"imagenet": ([0.003, 0.01, 0.03, 0.06], 0.01, 20000, 512, 0.9999, 0.0),
                    "cifar10": (paper, 0.02, 10000, 384, None, 0.0), "cifar100": (paper, 0.02, 10000, 384, None, 0.0),
                    "pets": (paper, 0.1, 500, 384, None, 0.0), "flowers": (paper, 0.1, 500, 384, None, 0.0)}
+
+
+def test_checkpoint_name_is_its_runs(tmp_path):
+    from launch.suite_identity import checkpoint_name
+
+    run = tmp_path / "runs" / "pre_l16"
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    assert checkpoint_name(str(run)) == "pre_l16"
+    (run / "config.yaml").write_text("run: {name: vit_l16_jft}\n")
+    assert checkpoint_name(str(run)) == checkpoint_name(str(run / "checkpoints" / "step-00000004")) == "vit_l16_jft"
+    (run / "model.safetensors").write_bytes(b"")
+    assert checkpoint_name(str(run / "model.safetensors")) == "pre_l16"
+    assert checkpoint_name(str(tmp_path / "B_16.npz")) == "B_16"

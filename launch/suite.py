@@ -10,9 +10,13 @@ on SLURM (launch/suite_slurm.py). Every cell is the transfer stage, in its own r
 
 - the same command again skips completed cells, resumes half-trained ones from their checkpoints
   and reruns failed ones; a failing cell is recorded (``suite_cell.json``) and the others go on;
+- a completed cell counts only when its recorded identity (launch/suite_identity.py: the checkpoint and
+  the resolved config) is what the command asks for now: otherwise the suite is refused before anything
+  runs, or with ``--rerun-changed`` the changed cells (and the finals that depend on them) run again;
 - OUT/suite.csv and OUT/suite.md are rewritten from the run dirs after every cell (launch/suite_table.py);
-- MLflow: a parent run for the suite (its id kept in OUT/suite_state.json), each cell's run nested
-  under it, ``suite/<dataset>/test_top1`` and ``suite/mean_test_top1``, the tables and the figure.
+  a final whose lr is no longer chosen is ``superseded`` there, out of every mean;
+- MLflow (launch/suite_mlflow.py): a parent run per checkpoint (kept in OUT/suite_state.json), each
+  cell's run nested under it, the numbers, the tables and the figure.
 
 OUT is owned by one suite at a time (pipeline/rundir.py): a second `vitp suite` on it is refused.
 """

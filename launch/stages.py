@@ -126,14 +126,15 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fewshot", action="store_true", help="few-shot linear evaluation (train split -> --split)")
     p.add_argument("--shots", default="1,5,10,25", help="few-shot shots per class (default: 1,5,10,25)")
     p.add_argument("--seeds", type=int, default=3, help="few-shot draws per shot count (default: 3)")
-    p.add_argument("--l2", type=float, default=1.0, help="few-shot ridge regulariser (default: 1.0)")
+    p.add_argument("--l2", type=float, default=1024.0,
+                   help="few-shot ridge regulariser (default: 1024, big_vision's 2^10)")
     p.add_argument("--linear-probe", action="store_true", help="logistic regression on frozen features")
     p.add_argument("--no-top1", action="store_true", help="skip scoring the model's own head")
     p.add_argument("--model", default=None, help="architecture for weight files without a config, e.g. vit_b16")
     p.add_argument("--img-size", type=int, default=None, help="evaluate at this resolution (pos-emb resampled)")
     p.add_argument("--batch", type=int, default=64, help="images per rank per batch (default: 64)")
     p.add_argument("--max-train-images", type=int, default=None,
-                   help="per rank, cap on training images read for few-shot / linear probe features")
+                   help="the linear probe's training images, in all (a seeded draw; default: the whole split)")
     p.add_argument("--out", default=None, help="where results.json and artifacts go (default: the run dir, "
                                                "else ./eval_<checkpoint name>)")
     p.add_argument("--evals", default=None, metavar="FILE",

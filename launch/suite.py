@@ -10,9 +10,13 @@ on SLURM (launch/suite_slurm.py). Every cell is the transfer stage, in its own r
 
 - the same command again skips completed cells, resumes half-trained ones from their checkpoints
   and reruns failed ones; a failing cell is recorded (``suite_cell.json``) and the others go on;
+- a completed cell counts only when its recorded identity (launch/suite_identity.py: the checkpoint and
+  the resolved config) is what the command asks for now: otherwise the suite is refused before anything
+  runs, or with ``--rerun-changed`` the changed cells (and the finals that depend on them) run again;
 - OUT/suite.csv and OUT/suite.md are rewritten from the run dirs after every cell (launch/suite_table.py);
-- MLflow: a parent run for the suite (its id kept in OUT/suite_state.json), each cell's run nested
-  under it, ``suite/<dataset>/test_top1`` and ``suite/mean_test_top1``, the tables and the figure.
+  a final whose lr is no longer chosen is ``superseded`` there, out of every mean;
+- MLflow (launch/suite_mlflow.py): a parent run per checkpoint (kept in OUT/suite_state.json), each
+  cell's run nested under it, the numbers, the tables and the figure.
 
 OUT is owned by one suite at a time (pipeline/rundir.py): a second `vitp suite` on it is refused.
 """
@@ -20,14 +24,25 @@ OUT is owned by one suite at a time (pipeline/rundir.py): a second `vitp suite` 
 from __future__ import annotations
 
 import argparse
-import json
+import re
 import shutil
 from pathlib import Path
 
-from .suite_spec import Cell, SuiteError, cell_config, final_cell, grid_cells, load_suite, lr_text
+from . import suite_identity as ident
+from .suite_spec import (
+    OWNED,
+    Cell,
+    SuiteError,
+    cell_config,
+    dataset_entry,
+    final_cell,
+    grid_cells,
+    load_suite,
+    lr_text,
+    owned_key,
+    protocol,
+)
 from .suite_table import cell_state, choose, clear_record, record_failure, write_tables
-
-STATE_FILE = "suite_state.json"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -36,22 +51,30 @@ STATE_FILE = "suite_state.json"
 class Suite:
     """A suite file bound to its output folder and the command line's overrides, checked."""
 
-    def __init__(self, spec_path: str, overrides: list[str], keep_grid_weights: bool = False):
+    def __init__(self, spec_path: str, overrides: list[str], keep_grid_weights: bool = False,
+                 rerun_changed: bool = False):
         self.path, self.spec = spec_path, load_suite(spec_path)
         out = [o.split("=", 1)[1] for o in overrides if o.startswith("run.dir=")]
         if not out or not out[-1]:
             raise SuiteError("run.dir: give the suite's output folder, e.g. run.dir=runs/suite")
         self.out = Path(out[-1]).resolve()
         self.common = [o for o in overrides if not o.startswith("run.dir=")]
+        for o in self.common:
+            if owned_key(o):
+                raise SuiteError(f"{o.split('=', 1)[0]}: set by the suite per cell; use the suite file's "
+                                 f"`{OWNED[owned_key(o)]}:` instead")
         src = [o.split("=", 1)[1] for o in self.common if o.startswith("init.from=")]
         if not src or not src[-1]:
             raise SuiteError("init.from: give the pre-trained checkpoint to evaluate, e.g. init.from=runs/pre")
         if "://" not in src[-1] and not Path(src[-1]).exists():
             raise SuiteError(f"init.from: {src[-1]} not found")
         self.source = src[-1]
-        self.keep_grid_weights = keep_grid_weights
+        self.keep_grid_weights, self.rerun_changed = keep_grid_weights, rerun_changed
         self.grid = grid_cells(self.spec, self.out, self.common)
-        self.base = cell_config(self.spec, self.grid[self.spec.datasets[0].name][0], spec_path)
+        first = self.spec.datasets[0]
+        self.base = cell_config(self.spec, self.final(first.name, protocol(self.spec, first).lrs[0]), spec_path)
+        self._source_digest: str | None = None
+        self._ids: dict[Path, dict] = {}
         self.uri = None
         if self.base.tracking.enabled:
             from pipeline.tracking.setup import Tracking
@@ -60,8 +83,73 @@ class Suite:
             self.common.append(f"tracking.uri={self.uri}")  # the cells log where the suite's parent run is
             self.grid = grid_cells(self.spec, self.out, self.common)
 
-    def final(self, dataset: str, lr: float) -> Cell:
-        return final_cell(self.spec, dataset, lr, self.out, self.common)
+    def final(self, dataset: str, lr: float, seed: int = 0) -> Cell:
+        return final_cell(self.spec, dataset, lr, self.out, self.common, seed)
+
+    def finals(self, dataset: str, lr: float) -> list[Cell]:
+        """The dataset's finals at ``lr``: one per repeat (seeds 0..repeats-1)."""
+        return [self.final(dataset, lr, s) for s in range(self.spec.repeats)]
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's name: the column of suite.md and suite.png."""
+        return ident.checkpoint_name(self.source)
+
+    def source_digest(self) -> str:
+        if self._source_digest is None:
+            from pipeline.weights import WeightsError, source_digest
+
+            try:
+                self._source_digest = source_digest(self.source)
+            except WeightsError as e:
+                raise SuiteError(str(e)) from None
+        return self._source_digest
+
+    def identity(self, cell: Cell) -> dict:
+        """What makes ``cell`` now (launch/suite_identity.py); a final's holds its grid's digests."""
+        if cell.run_dir not in self._ids:
+            config = ident.config_identity(cell_config(self.spec, cell, self.path))
+            grid = [self.identity(g)["digest"] for g in self.grid[cell.dataset]] if cell.phase == "final" else None
+            self._ids[cell.run_dir] = ident.make(self.source, self.source_digest(), config, grid)
+        return self._ids[cell.run_dir]
+
+    def changed(self, cell: Cell) -> str | None:
+        """The first key where what ``cell``'s run dir holds differs from what is asked now; None when
+        it holds nothing (no results, no identity) or the same."""
+        was = ident.recorded(cell.run_dir)
+        if was is None and not (cell.run_dir / "results.json").is_file():
+            return None
+        return ident.first_difference(was, self.identity(cell))
+
+    def done(self, cell: Cell) -> bool:
+        """Completed, by what is asked now."""
+        return cell_state(cell.run_dir, cell.score_split).status == "completed" and self.changed(cell) is None
+
+    def prepare(self, cell: Cell) -> None:
+        """Before a cell runs: what its run dir holds of another identity goes (nothing of it is resumed
+        or reported), then its identity is recorded."""
+        if self.changed(cell) is not None:
+            ident.wipe(cell.run_dir)
+        ident.record(cell.run_dir, self.identity(cell))
+
+    def check_identities(self) -> list[Cell]:
+        """The completed cells that another identity made (grid cells and the finals the table reports):
+        SuiteError naming the first, unless --rerun-changed (then they are returned, to run again)."""
+        out = []
+        for d in self.spec.datasets:
+            best = selected_lr(self, d.name)
+            for cell in [*self.grid[d.name], *(self.finals(d.name, best) if best is not None else [])]:
+                if cell_state(cell.run_dir, cell.score_split).status != "completed":
+                    continue
+                key = self.changed(cell)
+                if key is None:
+                    continue
+                if not self.rerun_changed:
+                    raise SuiteError(f"{self.out}: datasets[{d.name}]: {cell.run_dir.name}: {key} differs from what "
+                                     "made its results; run with --rerun-changed to rerun the changed cells, or "
+                                     "give another run.dir")
+                out.append(cell)
+        return out
 
     def check(self) -> None:
         """Every cell's config, every dataset's splits and limits: one line naming the file and the key."""
@@ -69,11 +157,11 @@ class Suite:
 
         for d in self.spec.datasets:
             cfg = None
-            for cell in [*self.grid[d.name], self.final(d.name, self.spec.lrs[0])]:
+            for cell in [*self.grid[d.name], self.final(d.name, protocol(self.spec, d).lrs[0])]:
                 cfg = cell_config(self.spec, cell, self.path)
             try:
                 check_splits(d.data, {"data.train_split": cfg.data.train_split, "test_split": d.test_split})
-                if self.spec.vtab1k:
+                if protocol(self.spec, d).vtab1k:
                     n = read_info(d.data).split(cfg.data.train_split).num_samples
                     if n < 1000:
                         raise DataError(f"vtab1k: 1000 examples asked of split {cfg.data.train_split!r}, which "
@@ -110,6 +198,7 @@ def run_cell_local(suite: Suite, cell: Cell, parent_run: str | None) -> None:
     logs = suite.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{cell.dataset}-{cell.run_dir.name}.log"
+    suite.prepare(cell)
     clear_record(cell.run_dir)
     extra = [f"tracking.parent_run={parent_run}"] if parent_run else []
     print(f"suite: {cell.name} ...", flush=True)
@@ -130,7 +219,27 @@ def finish_cell(suite: Suite, cell: Cell, rc: int, log: Path) -> None:
 
 
 def selected_lr(suite: Suite, dataset: str) -> float | None:
+    """The dataset's chosen lr: its only one, else the best minival score of its grid (None: no grid
+    cell completed)."""
+    lrs = protocol(suite.spec, dataset_entry(suite.spec, dataset)).lrs
+    if len(lrs) == 1:
+        return lrs[0]
     return choose([(c.lr, cell_state(c.run_dir, c.score_split).score) for c in suite.grid[dataset]])
+
+
+_FINAL_DIR = re.compile(r"final_lr(?P<lr>[^_]+)(?:_seed(?P<seed>\d+))?")
+
+
+def superseded(suite: Suite, dataset: str, current: list[Cell]) -> list[tuple[float, int, Path]]:
+    """(lr, seed, run dir) of the dataset's completed finals that are not among ``current`` (another
+    lr was chosen since they ran)."""
+    keep = {c.run_dir for c in current}
+    out = []
+    for p in sorted((suite.out / dataset).glob("final_lr*")):
+        m = _FINAL_DIR.fullmatch(p.name)
+        if m and p not in keep and (p / "results.json").is_file():
+            out.append((float(m["lr"]), int(m["seed"] or 0), p))
+    return out
 
 
 def rows(suite: Suite) -> list[dict]:
@@ -138,86 +247,67 @@ def rows(suite: Suite) -> list[dict]:
     out = []
     for d in suite.spec.datasets:
         best = selected_lr(suite, d.name)
+        base = {"dataset": d.name, "group": d.group}
+        mini = None
         for c in suite.grid[d.name]:
             s = cell_state(c.run_dir, c.score_split)
-            out.append({"dataset": d.name, "phase": "grid", "lr": c.lr, "minival_top1": s.score,
-                        "selected": c.lr == best, "status": s.status, "error": s.error, "run_dir": str(c.run_dir)})
+            mini = s.score if c.lr == best else mini
+            out.append({**base, "phase": "grid", "lr": c.lr, "minival_top1": s.score, "selected": c.lr == best,
+                        "status": s.status, "error": s.error, "run_dir": str(c.run_dir)})
         if best is None:
-            out.append({"dataset": d.name, "phase": "final", "status": "skipped",
-                        "error": "no grid cell completed", "run_dir": ""})
-            continue
-        f = suite.final(d.name, best)
-        s = cell_state(f.run_dir, f.score_split)
-        mini = next(r["minival_top1"] for r in out if r["dataset"] == d.name and r["selected"])
-        out.append({"dataset": d.name, "phase": "final", "lr": best, "minival_top1": mini, "test_top1": s.score,
-                    "selected": True, "status": s.status, "error": s.error, "run_dir": str(f.run_dir),
-                    "extra": s.extra})
+            out.append({**base, "phase": "final", "status": "skipped", "error": "no grid cell completed",
+                        "run_dir": ""})
+        current = suite.finals(d.name, best) if best is not None else []
+        for f in current:
+            s = cell_state(f.run_dir, f.score_split)
+            out.append({**base, "phase": "final", "lr": best, "seed": f.seed, "minival_top1": mini,
+                        "test_top1": s.score, "selected": True, "status": s.status, "error": s.error,
+                        "run_dir": str(f.run_dir), "extra": s.extra})
+        for lr, seed, p in superseded(suite, d.name, current):
+            s = cell_state(p, d.test_split)
+            out.append({**base, "phase": "final", "lr": lr, "seed": seed, "test_top1": s.score, "selected": False,
+                        "status": "superseded", "error": f"lr {lr_text(best)} chosen since", "run_dir": str(p)})
     return out
 
 
-# --------------------------------------------------------------------------------------------------
-# MLflow: the suite's parent run
-# --------------------------------------------------------------------------------------------------
-def open_parent(suite: Suite):
-    """The suite's MLflow run (continued when OUT/suite_state.json names it), or a no-op sink."""
-    from pipeline.tracking import Sink
-    from pipeline.tracking.setup import Tracking
-    from pipeline.weights import source_lineage
-
-    if not suite.uri:
-        return Sink()
-    state_file = suite.out / STATE_FILE
-    state = json.loads(state_file.read_text()) if state_file.is_file() else {}
-    section = suite.base.tracking.model_copy(update={"system_metrics": False, "parent_run": None})
-    sink = Tracking(section, suite.out, rank=0, run_name=f"suite-{suite.out.name}").mlflow(
-        world_size=1, stage="suite", run_id=state.get("mlflow_run_id"), run_key=state.get("mlflow_run_key"),
-        params={"suite.file": suite.path, "suite.lrs": suite.spec.lrs, "suite.vtab1k": suite.spec.vtab1k,
-                "suite.minival_fraction": suite.spec.minival_fraction, "init.from": suite.source,
-                "suite.datasets": ",".join(d.name for d in suite.spec.datasets)})
-    if sink.run_id:
-        state_file.write_text(json.dumps({"mlflow_run_id": sink.run_id, "mlflow_run_key": sink.run_key}))
-    lineage = source_lineage(suite.source)
-    sink.set_tags({"vitp.checkpoint": suite.source,
-                   **({"vitp.pretrain_run": lineage["parent_run_id"]} if "parent_run_id" in lineage else {})})
-    return sink
-
-
-def publish(suite: Suite, sink, table: list[dict]) -> None:
-    """The table's numbers, the tables and the figure on the suite's run."""
-    from .suite_table import draw, finals, mean
-
-    fin = finals(table)
-    metrics = {f"suite/{d}/test_top1": v for d, v in fin.items() if v is not None}
-    if mean(fin) is not None:
-        metrics["suite/mean_test_top1"] = mean(fin)
-    png = draw([(suite.out.name, fin)], suite.out / "suite.png")
-    sink.log(metrics, 0)
-    for p in (suite.out / "suite.csv", suite.out / "suite.md", png):
-        sink.log_artifact(p)
+def write_all(suite: Suite) -> list[dict]:
+    """The table's rows, written as suite.csv and suite.md (its column: the checkpoint's name)."""
+    table = rows(suite)
+    write_tables(suite.out, table, suite.name)
+    return table
 
 
 # --------------------------------------------------------------------------------------------------
 # The command
 # --------------------------------------------------------------------------------------------------
+OK = ("completed", "superseded")  # a superseded final is history, not a failure
+
+
 def finish_if_done(suite: Suite) -> list[dict]:
     """The tables from the run dirs; once no cell is left to run, the suite's MLflow run gets the numbers,
     the tables and the figure, and ends (FINISHED, or FAILED when a cell failed). -> the table's rows."""
-    table = rows(suite)
-    write_tables(suite.out, table)
+    from .suite_mlflow import open_parent, publish
+
+    table = write_all(suite)
     if any(r["status"] == "pending" for r in table):
         return table
     sink = open_parent(suite)
     publish(suite, sink, table)
-    ok = all(r["status"] == "completed" for r in table)
+    ok = all(r["status"] in OK for r in table)
     sink.close(status="FINISHED" if ok else "FAILED", timeout=suite.base.tracking.close_timeout_s)
     return table
 
 
 def run_suite(suite: Suite, run_cell=run_cell_local) -> list[dict]:
-    """Every cell that is not completed, dataset by dataset (grid, then the final); the tables after each."""
+    """Every cell that is not completed (by what is asked now), dataset by dataset (grid, then the
+    finals); the tables after each. A completed cell another identity made is refused before anything
+    runs (Suite.check_identities), or with --rerun-changed run again."""
     from pipeline.rundir import Heartbeat, claim, release
 
+    from .suite_mlflow import open_parent
+
     suite.check()
+    suite.check_identities()
     suite.out.mkdir(parents=True, exist_ok=True)
     mine = claim(suite.out)
     beat = Heartbeat(suite.out)
@@ -226,15 +316,14 @@ def run_suite(suite: Suite, run_cell=run_cell_local) -> list[dict]:
         parent.close(status=None, timeout=suite.base.tracking.close_timeout_s)  # finish_if_done ends it
         for d in suite.spec.datasets:
             for cell in suite.grid[d.name]:
-                if cell_state(cell.run_dir, cell.score_split).status != "completed":
+                if not suite.done(cell):
                     run_cell(suite, cell, parent.run_id)
-                write_tables(suite.out, rows(suite))
+                write_all(suite)
             best = selected_lr(suite, d.name)
-            if best is not None:
-                final = suite.final(d.name, best)
-                if cell_state(final.run_dir, final.score_split).status != "completed":
+            for final in suite.finals(d.name, best) if best is not None else []:
+                if not suite.done(final):
                     run_cell(suite, final, parent.run_id)
-            write_tables(suite.out, rows(suite))
+            write_all(suite)
         return finish_if_done(suite)
     finally:
         beat.stop()
@@ -242,6 +331,7 @@ def run_suite(suite: Suite, run_cell=run_cell_local) -> list[dict]:
 
 
 def summary(table: list[dict]) -> str:
+    table = [r for r in table if r["status"] != "superseded"]
     done = sum(r["status"] == "completed" for r in table)
     bad = [f"{r['dataset']}/{r['phase']}" + (f" lr {lr_text(r['lr'])}" if r.get("lr") is not None else "")
            + f" ({r['error']})" for r in table if r["status"] != "completed"]
@@ -258,6 +348,9 @@ def suite_parser() -> argparse.ArgumentParser:
     add_config_args(p)
     p.add_argument("--keep-grid-weights", action="store_true",
                    help="keep every grid cell's checkpoints (default: only the finals keep theirs)")
+    p.add_argument("--rerun-changed", action="store_true",
+                   help="rerun the completed cells another checkpoint or config made (and the finals that "
+                        "depend on them); without it such a suite is refused")
     return p
 
 
@@ -279,12 +372,12 @@ def suite_main(argv: list[str]) -> int:
     if argv and argv[0] == "report":
         return report_main(argv[1:])
     args = suite_parser().parse_intermixed_args(argv)
-    suite = Suite(args.config, args.overrides, args.keep_grid_weights)
+    suite = Suite(args.config, args.overrides, args.keep_grid_weights, args.rerun_changed)
     table = run_suite(suite)
     print((suite.out / "suite.md").read_text(), end="")
     line = summary(table)
     print(f"suite: {line}", flush=True)
-    if any(r["status"] != "completed" for r in table):
+    if any(r["status"] not in OK for r in table):
         from .cli import CommandFailed
 
         raise CommandFailed(f"suite: {line}; run the same command again to retry what failed")

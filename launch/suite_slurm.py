@@ -27,6 +27,8 @@ def suite_submit_parser():
                              "that depends on it and runs the final (see `vitp suite --help`).")
     add_config_args(p)
     p.add_argument("--keep-grid-weights", action="store_true", help="keep every grid cell's checkpoints")
+    p.add_argument("--rerun-changed", action="store_true",
+                   help="rerun the completed cells another checkpoint or config made (see `vitp suite --help`)")
     common_args(p)
     return p
 
@@ -52,9 +54,9 @@ def submit_suite(argv: list[str]) -> int:
     from .jobs import outcome, wait
     from .preempt import StageJob
     from .submit import check_cluster, check_run_dir, check_tracking, default_cluster, same_job, submit_jobs
-    from .suite import Suite, finish_if_done, open_parent, summary
-    from .suite_spec import cell_config
-    from .suite_table import cell_state
+    from .suite import OK, Suite, finish_if_done, summary
+    from .suite_mlflow import open_parent
+    from .suite_spec import cell_config, protocol
 
     args = suite_submit_parser().parse_intermixed_args(argv)
     cluster = args.cluster or default_cluster()
@@ -63,11 +65,11 @@ def submit_suite(argv: list[str]) -> int:
                           "run `vitp suite` to run it on this machine")
     if args.resources:
         raise SubmitError("--resources: not for a suite; put cluster.* overrides in the suite file's `overrides:`")
-    suite = Suite(args.config, args.overrides, args.keep_grid_weights)
+    suite = Suite(args.config, args.overrides, args.keep_grid_weights, args.rerun_changed)
     suite.check()
     check_not_running(suite, suite.base.cluster.log_dir)
-    todo = {d: [c for c in cells if cell_state(c.run_dir, c.score_split).status != "completed"]
-            for d, cells in suite.grid.items()}
+    suite.check_identities()
+    todo = {d: [c for c in cells if not suite.done(c)] for d, cells in suite.grid.items()}
     cfgs = {c.name: cell_config(suite.spec, c, suite.path) for cells in todo.values() for c in cells}
     for c in cfgs.values():
         check_cluster(c, cluster)
@@ -86,16 +88,20 @@ def submit_suite(argv: list[str]) -> int:
         grid = []
         if todo[d.name]:
             cells = todo[d.name]
+            for c in cells:
+                suite.prepare(c)
             gcfgs = [cell_config(suite.spec, c.plus(extra), suite.path) for c in cells]
             same_job(gcfgs, [[f"optim.lr={c.lr}"] for c in cells])
             calls = [StageJob("transfer", to_dict(g), env={"VITP_MLFLOW_TAGS": json.dumps({**tag, "cell": c.name})})
                      for g, c in zip(gcfgs, cells)]
             grid = submit_jobs("transfer", gcfgs, calls, cluster, tag)
             print(f"{d.name}: grid job {grid[0]['job_id'].split('_')[0]} ({len(grid)} lrs)", flush=True)
-        placeholder = cell_config(suite.spec, suite.final(d.name, suite.spec.lrs[0]).plus(extra), suite.path)
+        placeholder = cell_config(suite.spec, suite.final(d.name, protocol(suite.spec, d).lrs[0]).plus(extra),
+                                  suite.path)
         call = StageJob("transfer", to_dict(placeholder), target="launch.suite_slurm:final_job",
                         kwargs={"suite_file": suite.path, "overrides": args.overrides, "dataset": d.name,
-                                "keep_grid_weights": args.keep_grid_weights, "parent_run": parent.run_id})
+                                "keep_grid_weights": args.keep_grid_weights, "parent_run": parent.run_id,
+                                "rerun_changed": args.rerun_changed})
         after = sorted({e["job_id"].split("_")[0] for e in grid})
         (final,) = submit_jobs("transfer", [placeholder], [call], cluster,
                                {**tag, "suite_final": d.name, "after": after}, after=after)
@@ -111,14 +117,15 @@ def submit_suite(argv: list[str]) -> int:
     table = finish_if_done(suite)
     print((suite.out / "suite.md").read_text(), end="")
     print(f"suite: {summary(table)}", flush=True)
-    return 0 if all(r["status"] == "completed" for r in table) else 1
+    return 0 if all(r["status"] in OK for r in table) else 1
 
 
 def final_job(cfg, *, suite_file: str, overrides: list[str], dataset: str, keep_grid_weights: bool,
-              parent_run: str | None):
+              parent_run: str | None, rerun_changed: bool = False):
     """Inside the job that follows a dataset's grid (every rank): choose the lr, record the grid's
-    failures, fine-tune the final, then (rank 0) rewrite the tables and, when this was the last cell
-    of the suite, publish its MLflow run. ``cfg`` (the final at the first lr) set up the job."""
+    failures, fine-tune the finals (one per repeat, one after another), then (rank 0) rewrite the
+    tables and, when this was the last cell of the suite, publish its MLflow run. ``cfg`` (the final
+    at the first lr) set up the job."""
     from pipeline.config import load_config
     from pipeline.transfer import transfer
 
@@ -126,7 +133,7 @@ def final_job(cfg, *, suite_file: str, overrides: list[str], dataset: str, keep_
     from .suite_table import cell_state, clear_record, record_failure
 
     rank0 = int(os.environ.get("RANK", "0")) == 0
-    suite = Suite(suite_file, overrides, keep_grid_weights)
+    suite = Suite(suite_file, overrides, keep_grid_weights, rerun_changed)
     for c in suite.grid[dataset]:
         state = cell_state(c.run_dir, c.score_split)
         if rank0 and state.status == "pending":
@@ -134,23 +141,26 @@ def final_job(cfg, *, suite_file: str, overrides: list[str], dataset: str, keep_
         if rank0 and state.status == "completed" and not keep_grid_weights:
             drop_weights(c.run_dir)
     best = selected_lr(suite, dataset)
-    final = suite.final(dataset, best if best is not None else suite.spec.lrs[0])
-    try:
-        if best is None:
-            raise RuntimeError(f"suite: {dataset}: no grid cell completed; no final")
-        extra = [f"tracking.parent_run={parent_run}"] if parent_run else []
-        fcfg = load_config(suite.spec.transfer_config, [*final.overrides, *extra],
-                           world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        if rank0:
-            clear_record(final.run_dir)
-        result = transfer(fcfg)
-    except Exception as e:
-        if rank0:
-            record_failure(final.run_dir, str(e).splitlines()[-1] if str(e) else type(e).__name__,
-                           "skipped" if best is None else "failed")
-            finish_if_done(suite)
-        raise
+    result = None
+    for final in suite.finals(dataset, best if best is not None else suite.grid[dataset][0].lr):
+        if best is not None and suite.done(final):
+            continue
+        try:
+            if best is None:
+                raise RuntimeError(f"suite: {dataset}: no grid cell completed; no final")
+            extra = [f"tracking.parent_run={parent_run}"] if parent_run else []
+            fcfg = load_config(suite.spec.transfer_config, [*final.overrides, *extra],
+                               world_size=int(os.environ.get("WORLD_SIZE", "1")))
+            if rank0:
+                suite.prepare(final)
+                clear_record(final.run_dir)
+            result = transfer(fcfg)
+        except Exception as e:
+            if rank0:
+                record_failure(final.run_dir, str(e).splitlines()[-1] if str(e) else type(e).__name__,
+                               "skipped" if best is None else "failed")
+                finish_if_done(suite)
+            raise
     if rank0:
         finish_if_done(suite)
     return result
-

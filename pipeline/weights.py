@@ -184,6 +184,29 @@ def load_model(path: str | Path, *, variant: str | None = None, img_size: int | 
     return model.eval()
 
 
+def source_digest(path: str | Path) -> str:
+    """What a transfer source holds, as ``sha256:<hex>``: of the weights file it reads (a file, a run
+    dir's model.safetensors), else of its newest complete checkpoint's manifest (which names the step
+    and is rewritten with every save); a remote address is named, not read (``address:<path>``)."""
+    import hashlib
+
+    if "://" in str(path):
+        return f"address:{path}"
+    p = Path(path)
+    target = p if p.is_file() else p / "model.safetensors" if (p / "model.safetensors").is_file() else None
+    h = hashlib.sha256()
+    if target is None:
+        ck = ckpt_lib.checkpoint_in(p) if p.is_dir() else None
+        if ck is None:
+            raise WeightsError(f"init.from: {path}: no weights file and no complete checkpoint to digest")
+        h.update(ck.name.encode())
+        target = ck / ckpt_lib.MANIFEST
+    with open(target, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return f"sha256:{h.hexdigest()}"
+
+
 def source_lineage(path: str | Path) -> dict:
     """{'parent_run_id', 'parent_step', 'parent_checkpoint'} when the source is one of our run dirs."""
     p = Path(path)

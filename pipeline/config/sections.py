@@ -165,6 +165,7 @@ class DataCfg(Section):
     resampled: Bool = False  # sample shards with replacement (pre-training at scale)
     crop_scale: List(Float) = Field(default_factory=lambda: [0.08, 1.0])
     hflip: Bool = True
+    random_crop: Bool = True  # false: no inception crop, the whole image resized (VTAB counts, distances)
     randaugment: Str | None = None  # timm string, e.g. "rand-m9-mstd0.5"
     mixup: Float = Field(0.0, ge=0.0)
     cutmix: Float = Field(0.0, ge=0.0)
@@ -392,7 +393,7 @@ def fewshot_sets(entries: list[str]) -> list[tuple[str, str]]:
 class EvalCfg(Section):
     fewshot_shots: List(Int) = Field(default_factory=lambda: [1, 5, 10, 25])
     fewshot_seeds: Int = Field(3, ge=1)
-    fewshot_l2: Float = Field(1.0, gt=0)  # ridge regulariser (the paper searches it)
+    fewshot_l2: Float = Field(1024.0, gt=0)  # ridge regulariser: big_vision's 2^10 (pipeline/eval/fewshot.py)
     linear_probe: Bool = False
     batch: Int = Field(64, ge=1)
     # [NAME=]`vitp prep` folders (train + test splits) scored while training
@@ -404,7 +405,7 @@ class EvalCfg(Section):
     fewshot: Bool = False
     variant: Str | None = None  # architecture of a weights file that does not say it, e.g. vit_b16
     img_size: Int | None = Field(None, ge=1)  # evaluate at this resolution (pos-emb resampled)
-    max_train_images: Int | None = Field(None, ge=1)  # per rank, for few-shot / probe features
+    max_train_images: Int | None = Field(None, ge=1)  # the linear probe's training images, in all (seeded draw)
     out: Str | None = None  # results.json and artifacts; default: the run dir, else ./eval_<name>
 
     @model_validator(mode="after")

@@ -127,14 +127,17 @@ def inception_crop_box(w: int, h: int, rng: random.Random, scale=(0.08, 1.0),
 
 class TrainTransform:
     """bytes → uint8 [3, S, S]: inception crop (area in ``crop_scale``) + resize, flip, RandAugment.
+    ``random_crop=False``: the whole image resized to S × S instead (BiT's VTAB tasks where a crop
+    changes the label: a count, a distance, a location).
 
     ``randaugment`` is a timm config string ("rand-m9-mstd0.5"); timm's ops draw from the global
     ``random``/``numpy`` generators, so those are seeded per sample and restored afterwards.
     """
 
     def __init__(self, img_size: int, crop_scale=(0.08, 1.0), hflip: bool = True,
-                 randaugment: str | None = None, fill=(128, 128, 128)):
+                 randaugment: str | None = None, fill=(128, 128, 128), *, random_crop: bool = True):
         self.size = int(img_size)
+        self.random_crop = random_crop
         self.scale = (float(crop_scale[0]), float(crop_scale[1]))
         self.hflip = hflip
         self.ra = None
@@ -152,7 +155,8 @@ class TrainTransform:
         src = EncodedImage(data)
         w, h, s = src.w, src.h, self.size
         # the crop box is known before decoding, so the decode can be reduced to what the crop needs
-        a = decode_crop(src, inception_crop_box(w, h, rng, self.scale), s, s)
+        box = inception_crop_box(w, h, rng, self.scale) if self.random_crop else (0, 0, w, h)
+        a = decode_crop(src, box, s, s)
         if self.hflip and rng.random() < 0.5:
             a = a[:, ::-1]
         if self.ra is not None:

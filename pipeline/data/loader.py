@@ -157,6 +157,7 @@ class StreamSpec:
     randaugment: str | None
     policy: ReadPolicy = ReadPolicy()  # remote reads: timeout, retries, skip or stop
     seek_resume: bool = True  # resume by replaying the shuffle on positions and seeking (resume.py)
+    random_crop: bool = True  # False: the whole image resized (a crop would change the label)
 
     def quota_start(self, stream: int, n: int) -> int:
         """Where (rank, stream) of ``n`` streams starts in the epoch's sample sequence."""
@@ -165,7 +166,8 @@ class StreamSpec:
         return (self.rank * m + before) * self.micro_batch
 
     def transform(self) -> TrainTransform:
-        return TrainTransform(self.img_size, self.crop_scale, self.hflip, self.randaugment)
+        return TrainTransform(self.img_size, self.crop_scale, self.hflip, self.randaugment,
+                              random_crop=self.random_crop)
 
 
 class _TrainRun(IterableDataset):
@@ -314,7 +316,7 @@ class TrainLoader:
                           multi_label=self.info.multi_label, micro_batch=self.micro_batch,
                           micro_batches=self.micro_batches_per_epoch, resampled=c.resampled,
                           shuffle_buffer=c.shuffle_buffer, img_size=self.img_size, crop_scale=tuple(c.crop_scale),
-                          hflip=c.hflip, randaugment=c.randaugment, policy=ReadPolicy.of(c),
+                          hflip=c.hflip, randaugment=c.randaugment, policy=ReadPolicy.of(c), random_crop=c.random_crop,
                           seek_resume=not any(v for k, v in getattr(self, "skipped", {}).items()
                                                if k != "undecodable_image"))
 

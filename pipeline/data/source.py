@@ -59,7 +59,13 @@ class TrainBatches(Protocol):
 @runtime_checkable
 class EvalBatches(Protocol):
     """Each sample of a split once over all ranks, as ``len()`` batches per rank (the same on
-    every rank) of ``(images uint8 [B, 3, S, S], labels, valid bool [B])``; padding rows are invalid."""
+    every rank) of ``(images uint8 [B, 3, S, S], labels, valid bool [B])``; padding rows are invalid.
+    ``num_samples``: the samples over all ranks; ``rank_positions``: this rank's positions of the split,
+    in the order its valid rows come; ``batch``: rows per batch."""
+
+    num_samples: int
+    rank_positions: Sequence[int]
+    batch: int
 
     def __len__(self) -> int:
         """The number of batches, the same on every rank (the eval loop runs collectives in lock-step)."""

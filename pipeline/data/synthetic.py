@@ -147,6 +147,7 @@ class EvalLoader:
         self.img_size, self.batch = img_size, batch
         n = self.spec["val" if split != "train" else "train"]
         every = list(range(n)) if positions is None else list(positions)
+        self.num_samples = len(every)
         self.idx = self.rank_positions = every[rank::world_size]  # generated on the fly: no workers
         per_rank = -(-len(every) // world_size)  # ceil(n / world)
         self.num_batches = -(-per_rank // batch)

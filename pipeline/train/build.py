@@ -66,7 +66,8 @@ def prepare_run_dir(run, resolved_yaml: str, rank: int) -> Path | None:
     rank's cached listing may be stale); only rank 0 deletes (run.fresh=true).
     """
     run_dir = Path(run.dir)
-    entries = [p.name for p in run_dir.iterdir() if not p.name.startswith(".owner")] if run_dir.is_dir() else []
+    # dot files are the bookkeeping of whoever started the run (the .owner claim, a suite cell's identity)
+    entries = [p.name for p in run_dir.iterdir() if not p.name.startswith(".")] if run_dir.is_dir() else []
     if run.fresh:
         wait_for_rank0()  # everyone has looked before rank 0 deletes
         if rank == 0 and entries:

@@ -50,6 +50,8 @@ def test_run_dir_guard(tmp_path):
     cfg = load_config("configs/pretrain/tiny_cpu.yaml", ["data.path=synthetic", f"run.dir={tmp_path}"],
                       world_size=1)
     assert prepare_run_dir(cfg.run, to_yaml(cfg), 0) is None  # empty: start
+    (tmp_path / ".suite_identity.json").write_text("{}")  # a launcher's dot file: still empty
+    assert prepare_run_dir(cfg.run, to_yaml(cfg), 0) is None
     write_resolved(cfg, tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     assert prepare_run_dir(cfg.run, to_yaml(cfg), 0) is None  # this very run, died before its first checkpoint

@@ -371,3 +371,15 @@ def test_forever_keeps_its_workers_across_epochs_with_the_same_batches(data, mon
     tail = [(x, y, list(k)) for x, y, k in itertools.islice(resumed.forever(), 3)]
     assert [k for *_, k in tail] == [k for *_, k in expected[-3:]]
     assert all(torch.equal(a[0], b[0]) for a, b in zip(tail, expected[-3:]))
+
+
+def test_train_transform_without_random_crop_resizes_the_whole_image():
+    """data.random_crop=false (VTAB's counting and distance tasks): the whole image, resized, every seed."""
+    from pipeline.data.augment import EncodedImage, decode_crop
+
+    data = _photo(seed=5, mode="RGB", fmt="JPEG")
+    src = EncodedImage(data)
+    whole = torch.from_numpy(np.ascontiguousarray(decode_crop(src, (0, 0, src.w, src.h), 32, 32))).permute(2, 0, 1)
+    tf = TrainTransform(32, hflip=False, random_crop=False)
+    assert all(torch.equal(tf(data, seed), whole) for seed in range(5))
+    assert not torch.equal(TrainTransform(32, hflip=False)(data, 0), whole)  # the inception crop does crop

@@ -46,7 +46,7 @@ def test_vitp_eval_flags_are_entries_and_a_list_replaces_them():
     assert got == {
         "eval.split": dict(name="test", type="classify", split="test", every=0),
         "eval.fewshot": dict(name="fewshot", type="fewshot", train_split="train", test_split="test", every=0,
-                             prefix="", shots=[2], seeds=3, l2=1.0),
+                             prefix="", shots=[2], seeds=3, l2=1024.0),
         "eval.linear_probe": dict(name="linear_probe", type="linear_probe", train_split="train", test_split="test",
                                   every=0, max_train_images=9)}
     listed = load_config(None, ["data.path=d", "eval.checkpoint=r", "evals=[{name: a, type: classify, split: v}]"],

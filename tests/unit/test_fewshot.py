@@ -164,3 +164,64 @@ def test_submit_checks_the_fewshot_folders_before_queueing(tmp_path, repo_root):
     with pytest.raises(SubmitError, match=r"^eval.fewshot_data: 'test' not in .*few/_info.json \(has: train\)"):
         check_data(cfg, "pretrain")
     check_data(cfg, "eval")  # `vitp eval` runs no in-run evaluators
+
+
+def _reference_fewshot_scores(xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, num_classes: int,
+                              l2: float) -> np.ndarray:
+    """big_vision's few-shot closed form, written from its definition in numpy alone: standardise by
+    the training draw, a bias feature of 100, ridge to {-1, 1} targets; the N x N (dual) system when
+    the draw has fewer points than features, the D x D (primal) one otherwise. -> test scores [M, C]."""
+    mu, sd = xtr.mean(axis=0), np.sqrt(((xtr - xtr.mean(axis=0)) ** 2).mean(axis=0)) + 1e-5
+
+    def feats(a):
+        return np.hstack([(a - mu) / sd, 100.0 * np.ones((a.shape[0], 1))])
+
+    X, T = feats(xtr), 2.0 * np.eye(num_classes)[ytr] - 1.0
+    n, d = X.shape
+    if n < d:
+        W = X.T @ np.linalg.solve(X @ X.T + l2 * np.eye(n), T)
+    else:
+        W = np.linalg.solve(X.T @ X + l2 * np.eye(d), X.T @ T)
+    return feats(xte) @ W
+
+
+@pytest.mark.parametrize("n_per_class,dim", [(25, 8), (2, 64)], ids=["primal N>=D", "dual N<D"])
+def test_fewshot_default_l2_agrees_with_an_independent_numpy_reference(n_per_class, dim):
+    from pipeline.config.sections import EvalCfg
+    from pipeline.eval.fewshot import FEWSHOT_L2, ridge_predict
+
+    assert FEWSHOT_L2 == 2.0 ** 10 == EvalCfg().fewshot_l2  # big_vision's, everywhere by default
+    rng = np.random.default_rng(7)
+    c = 5
+    centres = 3.0 * rng.normal(size=(c, dim))
+    ytr = np.repeat(np.arange(c), n_per_class)
+    xtr = centres[ytr] + rng.normal(size=(len(ytr), dim)) * rng.uniform(0.5, 4.0, size=dim)
+    yte = rng.integers(0, c, size=40)
+    xte = centres[yte] + rng.normal(size=(40, dim))
+    assert (len(ytr) >= dim + 1) == (n_per_class == 25)
+    ref = _reference_fewshot_scores(xtr, ytr, xte, c, FEWSHOT_L2)
+    white, W = ridge_fit(torch.from_numpy(xtr), torch.from_numpy(ytr), c, FEWSHOT_L2)
+    got = (white(torch.from_numpy(xte)) @ W).numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert (ridge_predict(white, W, torch.from_numpy(xte)).numpy() == ref.argmax(1)).all()
+    acc = (ref.argmax(1) == yte).mean()
+    res = fewshot_accuracy(torch.from_numpy(xtr), torch.from_numpy(ytr), torch.from_numpy(xte),
+                           torch.from_numpy(yte), c, shots=(n_per_class,), seeds=1)
+    assert res[n_per_class]["mean"] == pytest.approx(acc, abs=1e-12)
+
+
+def test_probe_l2_is_chosen_on_held_out_rows():
+    from pipeline.eval.fewshot import choose_probe_l2
+
+    rng = np.random.default_rng(3)
+    y = np.repeat(np.arange(3), 20)
+    x = torch.from_numpy(rng.normal(size=(60, 6)) + 2.0 * np.eye(3, 6)[y])
+    y = torch.from_numpy(y)
+    l2, scores = choose_probe_l2(x, y, 3, grid=(1e-4, 1.0, 100.0), holdout_fraction=0.25, seed=0)
+    held = torch.from_numpy(np.random.default_rng(0).permutation(60))[:15]
+    fit = torch.from_numpy(np.random.default_rng(0).permutation(60))[15:]
+    for c, s in scores.items():  # each candidate: fitted on the other 45 rows, scored on the 15 held out
+        assert s == linear_probe(x[fit], y[fit], x[held], y[held], 3, l2=c)["top1"]
+    assert scores[l2] == max(scores.values()) and l2 == max(c for c, s in scores.items() if s == scores[l2])
+    with pytest.raises(ValueError, match="needs 2 or more"):
+        choose_probe_l2(x[:1], y[:1], 3)

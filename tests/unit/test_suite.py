@@ -52,7 +52,8 @@ def test_cells_are_the_protocol(made):
             "model.img_size=32"} <= set(cells[0].overrides)
     final = s.final("a", 0.03)
     assert final.score_split == "test" and "data.val_split=test" in final.overrides
-    assert not any(o.startswith("data.minival") for o in final.overrides)
+    cfg = cell_config(s.spec, final)
+    assert (cfg.data.minival_fraction, cfg.data.train_limit, cfg.data.minival_limit, cfg.seed) == (0.0, None, None, 0)
 
 
 def test_vtab1k_cells_take_800_and_200_then_1000(made):
@@ -125,9 +126,10 @@ def test_rows_and_tables_from_run_dirs(made):
                    ("b", "grid", 0.03, "completed", True), ("b", "final", 0.03, "pending", True)]
     csv_path, md = write_tables(s.out.parent, table)
     lines = csv_path.read_text().splitlines()
-    assert lines[0] == ("dataset,phase,lr,minival_top1,test_top1,selected,status,error,run_dir,fewshot/a/5shot")
-    assert lines[3].startswith("a,final,0.03,0.6,0.55,yes,completed,,") and lines[3].endswith(",0.3")
-    assert lines[4].startswith("b,grid,0.01,,,,failed,data.path: boom,")
+    assert lines[0] == ("dataset,group,phase,lr,seed,minival_top1,test_top1,selected,status,error,run_dir,"
+                        "fewshot/a/5shot")
+    assert lines[3].startswith("a,,final,0.03,0,0.6,0.55,yes,completed,,") and lines[3].endswith(",0.3")
+    assert lines[4].startswith("b,,grid,0.01,,,,,failed,data.path: boom,")
     assert md.read_text().splitlines()[-3:] == ["| a | 55.00 |", "| b | - |", "| **mean** | - |"]
 
 
@@ -137,8 +139,9 @@ def test_report_compares_checkpoints(tmp_path):
         out.mkdir()
         write_tables(out, [{"dataset": d, "phase": "final", "lr": 0.01, "test_top1": v, "status": "completed"}
                            for d, v in zip(("pets", "flowers"), scores)])
+    (tmp_path / "two" / "suite_state.json").write_text(json.dumps({"checkpoint_name": "vit_b16"}))
     md, png = report(tmp_path / "one", [str(tmp_path / "two")])
-    assert md.read_text().splitlines() == ["| dataset | one | two |", "|---|---:|---:|", "| pets | 50.00 | 60.00 |",
+    assert md.read_text().splitlines() == ["| dataset | one | vit_b16 |", "|---|---:|---:|", "| pets | 50.00 | 60.00 |",
                                            "| flowers | 70.00 | 90.00 |", "| **mean** | 60.00 | 75.00 |"]
     assert png.stat().st_size > 1000
     assert markdown([("x", {"a": None})]).splitlines()[-1] == "| **mean** | - |"

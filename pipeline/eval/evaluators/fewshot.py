@@ -1,7 +1,7 @@
 """``type: fewshot``: few-shot linear accuracy of the frozen representation, the paper's measure of
 pre-training (closed-form ridge regression; its Figures 5, 6 and 8), as big_vision runs it.
 
-    options: shots [1, 5, 10, 25], seeds 3, l2 1.0
+    options: shots [1, 5, 10, 25], seeds 3, l2 1024 (big_vision's)
     built (once)
         the train split's labels: each rank reads the ``.cls`` of every W-th shard (tar headers and
         label bytes, no image), one all_gather_object joins them; the k-shot subsets of
@@ -45,7 +45,7 @@ def train_labels(source, split: str, rank: int, world: int) -> np.ndarray:
 class Options(Section):
     shots: List(Int) = Field(default_factory=lambda: [1, 5, 10, 25])
     seeds: Int = Field(3, ge=1)
-    l2: Float = Field(1.0, gt=0)  # the ridge's regulariser (the paper searches it)
+    l2: Float = Field(fs.FEWSHOT_L2, gt=0)  # the ridge's regulariser: big_vision's 2^10
 
     @model_validator(mode="after")
     def _shots(self):

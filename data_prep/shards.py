@@ -74,11 +74,12 @@ def _work(task: tuple) -> list[tuple]:
         except Reject as r:
             out.append(("reject", rel, r.reason, r.detail))
             continue
-        match = _NEAR[0].nearest(s.phash) if _NEAR is not None else None
+        match = _NEAR[0].nearest(*s.signature) if _NEAR is not None else None
         if match is not None:
             out.append(("reject", rel, NEAR_DUPLICATE,
-                        f"near-duplicate of a test image: perceptual hashes {match.distance} bits apart",
-                        {"of": _NEAR[1][match.test], "distance": match.distance}))
+                        f"near-duplicate of a test image: perceptual hashes {match.distance} bits apart, "
+                        f"thumbnails agree by {match.margin}",
+                        {"of": _NEAR[1][match.test], "distance": match.distance, "margin": match.margin}))
             continue
         meta = {
             "key": key, "source": rel, "label": label, "cls": cls, "format": s.ext,

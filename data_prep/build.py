@@ -4,6 +4,7 @@ Output directory:
   _plan.json, _plan/              the plan's index and its pieces (written first; see plan.py)
   classes.json                    class names, index = position
   <split>-NNNNNN.tar              samples <key>.cls / <key>.jpg|png|webp / <key>.json
+  <split>-NNNNNN_sig.npz          each kept sample's key and near-duplicate signature (data_prep/near.py)
   <split>-NNNNNN_stats.json       count, bytes, rejects by reason, seconds (written last per shard)
   rejects.jsonl, _info.json       written by finalize() when all shards are complete
 

@@ -14,7 +14,7 @@ The hash alone matches unrelated pictures by chance (a per-pair rate near 1e-4 o
 real photos: two crops that each hold one edge between two flat regions hash alike), which against a
 few hundred thousand test images would reject most clean training images. So the hash only finds
 candidates, and each is checked with a second signature of the trimmed picture (448 bytes): its 8x8
-RGB thumbnail, and its 16x16 grey thumbnail less a Gaussian blur of it (sigma 2 px: the detail, where
+RGB thumbnail, and its 16x16 grey thumbnail less a Gaussian blur of it (sigma 1 px: the detail, where
 the edge's two flat sides leave nothing and a texture shows). Each is compared by correlation, with
 its mean taken out (a brightness or contrast change, JPEG noise and resizing move it little; another
 picture, the same edge in other colours or over another texture, far). A test image keeps two, its
@@ -49,11 +49,11 @@ CENTRE = 0.95
 _WORK = 128
 VARIANTS = 4  # hashes per test image (reference_hashes)
 # the second signature, uint8: the colour thumbnail [COLOUR, COLOUR, 3] then the grey one [DETAIL, DETAIL]
-COLOUR, DETAIL, _BLUR = 8, 16, 2.0
+COLOUR, DETAIL, _BLUR = 8, 16, 1.0
 THUMB_BYTES = COLOUR * COLOUR * 3 + DETAIL * DETAIL
 # bench/decontam.py on textured crops of real photos: these keep every transform's recall within 1-2
 # points of the hash's alone (JPEG q30 loses most: 2), and no chance match of the hash is left in 8e7 pairs
-MIN_COLOUR, MIN_DETAIL = 0.95, 0.88
+MIN_COLOUR, MIN_DETAIL = 0.95, 0.85
 
 
 def grey(a: np.ndarray) -> np.ndarray:
@@ -69,13 +69,17 @@ def _span(flat: np.ndarray) -> tuple[int, int]:
 def trim_box(g: np.ndarray) -> tuple[int, int, int, int]:
     """g: [H, W] grey -> (y0, y1, x0, x1) without its flat outer rows and columns (a frame or border put
     around a picture), unless that would leave less than half of either side (a mostly flat image).
-    Repeated: a picture whose own edge row is flat loses it once the frame is off, as it does unframed."""
+    Repeated: a picture whose own edge row is flat loses it once the frame is off, as it does unframed.
+    A trimmed side loses one line more: where the area resize cut a frame's edge, the line it shares with
+    the picture is neither flat nor the picture's, and its step would read as detail."""
     y0, y1, x0, x1 = 0, g.shape[0], 0, g.shape[1]
     for _ in range(3):
         inner = g[y0:y1, x0:x1]
+        h, w = inner.shape
         (a, b), (c, d) = _span(np.ptp(inner, axis=1) <= _FLAT), _span(np.ptp(inner, axis=0) <= _FLAT)
-        if (a, b, c, d) == (0, inner.shape[0], 0, inner.shape[1]):
+        if (a, b, c, d) == (0, h, 0, w):
             break
+        a, b, c, d = a + (a > 0), b - (b < h), c + (c > 0), d - (d < w)
         if 2 * (b - a) < g.shape[0] or 2 * (d - c) < g.shape[1]:
             break
         y0, y1, x0, x1 = y0 + a, y0 + b, x0 + c, x0 + d

@@ -6,8 +6,8 @@ a path column, paths relative to it) or a `vitp prep` output (its _info.json; of
 ones, else ``test`` if it has one, else all) at any address store.py reads. A test image's name in
 rejects.jsonl is ``<address without secrets>/<path or key>``.
 
-Under OUT: ``_near.npz`` (the index: hashes and their owners) and ``_near.json`` (the names, in the
-index's order, and the ``decontaminated`` block of _info.json without its counts).
+Under OUT: ``_near.npz`` (the index: hashes, their owners, the second signatures) and ``_near.json``
+(the names, in the index's order, and the ``decontaminated`` block of _info.json without its counts).
 """
 
 from __future__ import annotations

@@ -63,9 +63,10 @@ def signatures_bytes(rows: list[tuple[str, int, np.ndarray]]) -> bytes:
 
 
 def shard_done(out: Path, name: str, plan_id: str) -> bool:
-    """Complete = tar present and stats (written last) present and from the same plan."""
+    """Complete = tar, signatures and stats (written last) present, the stats from the same plan (a
+    shard of a prep from before signatures were stored is made again, with them)."""
     sp = stats_path(out, name)
-    if not (sp.exists() and (out / f"{name}.tar").exists()):
+    if not (sp.exists() and (out / f"{name}.tar").exists() and (out / signatures_name(name)).exists()):
         return False
     try:
         return json.loads(sp.read_text(encoding="utf-8")).get("plan_id") == plan_id

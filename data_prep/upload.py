@@ -57,7 +57,8 @@ def complete_shards(out: str | os.PathLike, shards: list[dict], plan_id: str, *,
                 return {}
         return done
     sizes = store.list_sizes(out)  # one listing, not a request per shard
-    present = [s["name"] for s in shards if f"{s['name']}.tar" in sizes and f"{s['name']}_stats.json" in sizes]
+    present = [s["name"] for s in shards if f"{s['name']}.tar" in sizes and f"{s['name']}_stats.json" in sizes
+               and signatures_name(s["name"]) in sizes]
     if all_or_none and len(present) < len(shards):
         return {}
     stats = store.read_files(out, [f"{n}_stats.json" for n in present])

@@ -86,9 +86,13 @@ def test_bad_input_is_one_line_and_writes_nothing(sets, tmp_path):  # noqa: F811
     first.unlink()  # as an output from before prep stored signatures
     r = _vitp("decontam", out, "--exclude-near", sets["china"])
     assert (r.returncode, r.stderr.strip()) == (2, f"error: {first}: not found: this output was prepared before "
-                                                   "prep stored signatures; run the same `vitp prep` again to add "
-                                                   "them"), r.stderr
+                                                   "prep stored signatures; run the same `vitp prep` again (it "
+                                                   "remakes the shards without them)"), r.stderr
     assert not (out / EXCLUDE_FILE).exists()
+    # as it says: the rerun remakes that shard alone, and then decontam runs
+    again = prep(sets["train"], out, **KW)
+    assert (again["shards_written"], first.exists()) == (1, True)
+    assert _vitp("decontam", out, "--exclude-near", sets["china"]).returncode == 0
 
 
 def test_an_s3_output(sets, s3_bucket, tmp_path):  # noqa: F811

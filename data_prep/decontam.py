@@ -36,7 +36,8 @@ def _signatures(out: str, info: DatasetInfo) -> dict[str, dict]:
     for f, s in zip(names, sig_names):
         if got[s] is None:
             raise ValueError(f"{store.public(store.join(out, s))}: not found: this output was prepared before "
-                             "prep stored signatures; run the same `vitp prep` again (it remakes the shards without them)")
+                             "prep stored signatures; run the same `vitp prep` again (it remakes the shards "
+                             "without them)")
         z = np.load(io.BytesIO(got[s]), allow_pickle=False)
         sigs[f] = {k: z[k] for k in ("hash", "thumb", "key")}
     return sigs

@@ -135,7 +135,9 @@ def selected_lr(suite: Suite, dataset: str) -> float | None:
 
 def rows(suite: Suite) -> list[dict]:
     """The table's rows, read from the run dirs (launch/suite_table.py)."""
-    out = []
+    from .suite_decontam import marks
+
+    out, checked = [], marks(suite.source, suite.spec.datasets)
     for d in suite.spec.datasets:
         best = selected_lr(suite, d.name)
         for c in suite.grid[d.name]:
@@ -152,7 +154,7 @@ def rows(suite: Suite) -> list[dict]:
         out.append({"dataset": d.name, "phase": "final", "lr": best, "minival_top1": mini, "test_top1": s.score,
                     "selected": True, "status": s.status, "error": s.error, "run_dir": str(f.run_dir),
                     "extra": s.extra})
-    return out
+    return [{**r, "decontaminated": checked[r["dataset"]]} for r in out]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,6 +165,8 @@ def open_parent(suite: Suite):
     from pipeline.tracking import Sink
     from pipeline.tracking.setup import Tracking
     from pipeline.weights import source_lineage
+
+    from .suite_decontam import marks
 
     if not suite.uri:
         return Sink()
@@ -177,7 +181,10 @@ def open_parent(suite: Suite):
     if sink.run_id:
         state_file.write_text(json.dumps({"mlflow_run_id": sink.run_id, "mlflow_run_key": sink.run_key}))
     lineage = source_lineage(suite.source)
+    checked = marks(suite.source, suite.spec.datasets)
     sink.set_tags({"vitp.checkpoint": suite.source,
+                   **({"vitp.decontaminated": ",".join(f"{k}={v}" for k, v in checked.items())}
+                      if any(checked.values()) else {}),
                    **({"vitp.pretrain_run": lineage["parent_run_id"]} if "parent_run_id" in lineage else {})})
     return sink
 

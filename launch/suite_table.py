@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 CELL_FILE = "suite_cell.json"  # the suite's record of a cell that failed: {"status", "error"}
-COLUMNS = ["dataset", "phase", "lr", "minival_top1", "test_top1", "selected", "status", "error", "run_dir"]
+COLUMNS = ["dataset", "phase", "lr", "minival_top1", "test_top1", "selected", "status", "error", "run_dir",
+           "decontaminated"]  # launch/suite_decontam.py: yes, no, or "" (the pre-training data is not known)
 # results.json keys that are not metrics of an evaluator (the extra columns of a final)
 _NOT_EXTRA = {"step", "num_classes", "img_size", "parent_step"}
 
@@ -79,7 +80,8 @@ def write_tables(out: Path, rows: list[dict]) -> tuple[Path, Path]:
         for r in rows:
             w.writerow([_cell_text(r.get(c)) for c in COLUMNS] + [_cell_text(r.get("extra", {}).get(k)) for k in extra])
     md = out / "suite.md"
-    md.write_text(markdown([(out.name, finals(rows))]))
+    checked = {r["dataset"]: r.get("decontaminated") or "" for r in rows}
+    md.write_text(markdown([(out.name, finals(rows))], checked if any(checked.values()) else None))
     return out / "suite.csv", md
 
 
@@ -108,14 +110,19 @@ def mean(scores: dict[str, float | None]) -> float | None:
     return sum(vals) / len(vals) if vals and all(v is not None for v in vals) else None
 
 
-def markdown(columns: list[tuple[str, dict[str, float | None]]]) -> str:
-    """Table 2's shape: one row per dataset, one column per checkpoint (suite), a mean row; scores in %."""
+def markdown(columns: list[tuple[str, dict[str, float | None]]], checked: dict[str, str] | None = None) -> str:
+    """Table 2's shape: one row per dataset, one column per checkpoint (suite), a mean row; scores in %.
+    ``checked``: a last column, whether each test split was among the sets the pre-training data was
+    checked against (launch/suite_decontam.py)."""
     names = list(dict.fromkeys(d for _, col in columns for d in col))
     fmt = lambda v: "-" if v is None else f"{100 * v:.2f}"  # noqa: E731
-    lines = ["| dataset | " + " | ".join(n for n, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    tail = (lambda d: f" {checked.get(d, '')} |") if checked is not None else (lambda d: "")  # noqa: E731
+    lines = ["| dataset | " + " | ".join(n for n, _ in columns) + " |" + (" decontaminated |" if checked else ""),
+             "|---|" + "---:|" * len(columns) + ("---|" if checked else "")]
     for d in names:
-        lines.append(f"| {d} | " + " | ".join(fmt(col.get(d)) for _, col in columns) + " |")
-    lines.append("| **mean** | " + " | ".join(fmt(mean({d: col.get(d) for d in names})) for _, col in columns) + " |")
+        lines.append(f"| {d} | " + " | ".join(fmt(col.get(d)) for _, col in columns) + " |" + tail(d))
+    lines.append("| **mean** | " + " | ".join(fmt(mean({d: col.get(d) for d in names})) for _, col in columns)
+                 + " |" + tail(None))
     return "\n".join(lines) + "\n"
 
 

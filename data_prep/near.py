@@ -163,19 +163,37 @@ def _unit(v: np.ndarray) -> np.ndarray:
     return np.divide(v, n, out=np.zeros_like(v), where=n > 1e-3)
 
 
-def _parts(t: np.ndarray, mirror: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _blur_matrix() -> np.ndarray:
+    """[DETAIL, DETAIL]: K with K @ g @ K.T == cv2.GaussianBlur(g, sigma=_BLUR) for a [DETAIL, DETAIL] g
+    (the blur is separable; a row of ones stays ones, so blurring the one-row image e_j 1^T gives
+    column j of K): one batched product blurs thousands of thumbnails."""
+    cols = []
+    for j in range(DETAIL):
+        e = np.zeros((DETAIL, DETAIL), np.float32)
+        e[j] = 1.0
+        cols.append(cv2.GaussianBlur(e, (0, 0), _BLUR)[:, 0])
+    return np.stack(cols, axis=1)
+
+
+_K = _blur_matrix()
+
+
+def _parts(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """thumbs [..., THUMB_BYTES] -> (colour [..., 192], its luma [..., 64], detail [..., 256]: unit vectors;
     is it grey [...]: bool)."""
     colour = t[..., :COLOUR * COLOUR * 3].reshape(*t.shape[:-1], COLOUR, COLOUR, 3).astype(np.float32)
-    g = t[..., COLOUR * COLOUR * 3:].reshape(-1, DETAIL, DETAIL).astype(np.float32)
-    if mirror:
-        colour, g = colour[..., ::-1, :], g[..., ::-1]
-    detail = np.array([x - cv2.GaussianBlur(x, (0, 0), _BLUR) for x in g], np.float32)
-    detail = detail.reshape(*t.shape[:-1], DETAIL * DETAIL)
+    g = t[..., COLOUR * COLOUR * 3:].reshape(*t.shape[:-1], DETAIL, DETAIL).astype(np.float32)
+    detail = (g - _K @ g @ _K.T).reshape(*t.shape[:-1], DETAIL * DETAIL)
     luma = colour @ np.array([0.299, 0.587, 0.114], np.float32)
     is_grey = np.ptp(colour, axis=-1).max(axis=(-2, -1)) <= 2
     flat = colour.reshape(*t.shape[:-1], COLOUR * COLOUR * 3)
     return _unit(flat), _unit(luma.reshape(*t.shape[:-1], COLOUR * COLOUR)), _unit(detail), is_grey
+
+
+def _mirrored(t: np.ndarray) -> np.ndarray:
+    """A second signature [THUMB_BYTES] -> its mirror's (both thumbnails' columns flipped)."""
+    colour = t[:COLOUR * COLOUR * 3].reshape(COLOUR, COLOUR, 3)[:, ::-1]
+    return np.concatenate([colour.ravel(), t[COLOUR * COLOUR * 3:].reshape(DETAIL, DETAIL)[:, ::-1].ravel()])
 
 
 def margin(train: np.ndarray, refs: np.ndarray) -> np.ndarray:
@@ -183,11 +201,12 @@ def margin(train: np.ndarray, refs: np.ndarray) -> np.ndarray:
     each test image's own, its centre's and their mirrors, min(colour - MIN_COLOUR, detail - MIN_DETAIL)
     of the correlations with the training image's (>= 0: a near-duplicate). Where either is grey, the
     colour correlation is of their luma (a grey test set, a colour copy on the web), and both must
-    reach MIN_GREY (without colour, the same edge over other textures agrees more often)."""
-    tc, tl, td, t_grey = _parts(train, False)
+    reach MIN_GREY (without colour, the same edge over other textures agrees more often). A test
+    image's mirror against the training image is the test image against the training image's mirror."""
+    rc, rl, rd, r_grey = _parts(refs)  # [N, 2, K]
     out = []
-    for mirror in (False, True):
-        rc, rl, rd, r_grey = _parts(refs, mirror)  # [N, 2, K]
+    for t in (train, _mirrored(train)):
+        tc, tl, td, t_grey = _parts(t)
         grey_pair = r_grey | t_grey
         colour = np.where(grey_pair, rl @ tl - MIN_GREY[0], rc @ tc - MIN_COLOUR)
         out.append(np.minimum(colour, rd @ td - np.where(grey_pair, MIN_GREY[1], MIN_DETAIL)))

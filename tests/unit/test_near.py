@@ -143,3 +143,13 @@ def test_chance_hash_matches_of_real_photos_fail_the_second_signature(wallpaper_
     found = sum(index.nearest(*signature(np.asarray(COPIES[name](Image.fromarray(a))))) is not None
                 for a in test[:: max(1, len(test) // 40)] for name in COPIES)
     assert found >= 0.95 * len(COPIES) * len(test[:: max(1, len(test) // 40)])
+
+
+def test_the_batched_blur_is_opencvs():
+    """margin() blurs thousands of detail thumbnails in one product; it is cv2.GaussianBlur's answer."""
+    import cv2
+
+    from data_prep.near import _BLUR, _K
+
+    g = np.random.default_rng(0).integers(0, 256, (16, 16)).astype(np.float32)
+    assert np.abs(_K @ g @ _K.T - cv2.GaussianBlur(g, (0, 0), _BLUR)).max() < 1e-3

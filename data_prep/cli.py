@@ -193,6 +193,7 @@ out (the shards stay as they are). The same test sets again change nothing.
 
 example:
   vitp decontam out/web --exclude-near data/imagenet_val --exclude-near s3://bench/cifar10
+Exit status 0 when the list is written; 2 a usage or input mistake (one line on stderr), nothing written.
 """
 
 

@@ -167,14 +167,14 @@ def _without_excluded(info: Info) -> Info:
     if doc is None:
         return info
     gone: dict[tuple[str, str], set[int]] = {}
-    for split, shard, i in doc["pairs"]:
-        gone.setdefault((split, shard), set()).add(i)
+    for split, shard, i in doc["pairs"]:  # shard: as _info.json names it, so joined as read_info joins it
+        gone.setdefault((split, store.join(info.path, shard)), set()).add(i)
     splits = dict(info.splits)
     for name, sp in info.splits.items():
-        files = [u.rsplit("/", 1)[-1] for u in sp.urls]
-        if not any((name, f) in gone for f in files):
+        if not any((name, u) in gone for u in sp.urls):
             continue
-        keep = tuple(tuple(i for i in range(n) if i not in gone.get((name, f), ())) for f, n in zip(files, sp.lengths))
+        keep = tuple(tuple(i for i in range(n) if i not in gone.get((name, u), ()))
+                     for u, n in zip(sp.urls, sp.lengths))
         splits[name] = dataclasses.replace(sp, num_samples=sum(map(len, keep)), lengths=tuple(map(len, keep)),
                                            keep=keep)
     summary = {k: v for k, v in doc.items() if k not in ("samples", "pairs")}

@@ -1,17 +1,21 @@
-"""De-duplication against test sets (data_prep/near.py): how well the perceptual hash finds transformed
-copies of real photographs, how often it matches unrelated ones, and how fast the index answers.
+"""De-duplication against test sets (data_prep/near.py), measured on real photographs: how often an
+unrelated picture is rejected, how well transformed copies are found, and how fast the index answers.
 
-    python bench/decontam.py --photos DIR [--photos DIR ...]
+    python bench/decontam.py [--test-crops N] [--train-crops N] [--copies N]
 
-Photos: scikit-learn's two sample images, scikit-image's photographs when it is installed, and every
-image under each --photos folder (the README lists the Debian packages the table was measured on).
-Each photo, resized to a longer side of 384 px (a test image's size), is a test image; its copies
-(0.5x, 0.25x, JPEG q30, 5% crop, 10 px border, mirror, brightness +-10%) are training images.
+Photos: Debian's wallpaper and background packages and scikit-image's photographs (bench/photos.py
+fetches them with apt, as root, into a cache). Each photo is cut into square crops of 96-384 px, kept
+where their grey standard deviation is at least 24 (a patch of sky is not a picture). The photos are
+split in two: crops of three in five are the test set, crops of the others the clean training images,
+so no training crop shares a pixel with a test crop. Every (training, test) pair within D bits of the
+hash is a chance match; of these, the check of the second signature keeps those it calls duplicates.
 
-Prints, per threshold D (Hamming distance of the 64-bit hash): the recall of each transform (its copy's
-nearest test image within D is its own photo) and the false matches (unrelated photo pairs within D);
-then lookups per second per core at 100k test images (random hashes) and the extrapolation to 300M
-training images on one node, and the index's speed against a brute-force scan (`ratio` lines).
+Prints the per-pair false-match rate with the hash alone and with the check, and the share of clean
+training images each would reject against 300k test images, 1 - (1 - p)^300000 (`ratio
+decontam_false_rate_300k_hash_only`, `ratio decontam_false_rate_300k`: goal <= 0.001); then, for copies
+of test crops under each transform (resize, JPEG q30, 5% crop, 10 px border, mirror, brightness +-10%),
+the recall: the share whose lookup among all the test crops finds a crop of its own photo; then lookups
+per second per core at 100k test images (random signatures), and the index against a brute-force scan.
 """
 
 from __future__ import annotations
@@ -27,41 +31,23 @@ from PIL import Image, ImageEnhance, ImageOps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data_prep.near import VARIANTS, NearIndex, distance, phash, reference_hashes  # noqa: E402
-from data_prep.schema import IMAGE_EXTS  # noqa: E402
+from bench.photos import load, photo_files, textured_crops  # noqa: E402
+from data_prep.near import THUMB_BYTES, VARIANTS, NearIndex, margin, reference, signature  # noqa: E402
 from pipeline.config.prep import DEFAULT_NEAR_THRESHOLD  # noqa: E402
 
-TEST_SIDE = 384
-SKIMAGE_PHOTOS = ("astronaut", "camera", "coffee", "chelsea", "rocket", "hubble_deep_field", "retina", "coins",
-                  "moon", "page", "motorcycle_left", "brick", "grass", "gravel", "immunohistochemistry", "text",
-                  "clock", "cell", "microaneurysms")
-THRESHOLDS = (0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20)
+AT_SCALE = 300_000
+SIDES, MIN_STD = (96, 384), 24.0
 
 
-def photos(folders: list[str]) -> list[tuple[str, Image.Image]]:
-    from sklearn.datasets import load_sample_images
-
-    out = [(f"sklearn/{Path(n).name}", Image.fromarray(a))
-           for n, a in zip(load_sample_images().filenames, load_sample_images().images)]
-    try:
-        import skimage.data as sd
-
-        out += [(f"skimage/{n}", Image.fromarray(getattr(sd, n)())) for n in SKIMAGE_PHOTOS if hasattr(sd, n)]
-    except ImportError:
-        pass
-    for folder in folders:
-        for p in sorted(Path(folder).rglob("*")):
-            if p.suffix.lower().lstrip(".") in IMAGE_EXTS:
-                out.append((str(p.relative_to(folder)), Image.open(p)))
-    seen, unique = set(), []
-    for name, im in out:  # the same photo from two sources counts once
-        key = Path(name).stem.removeprefix("skimage_")
-        if key not in seen:
-            seen.add(key)
-            im = ImageOps.exif_transpose(im).convert("RGB")
-            im.thumbnail((TEST_SIDE, TEST_SIDE), Image.Resampling.LANCZOS)
-            unique.append((name, im))
-    return unique
+def crops(files: list, n: int, rng: np.random.Generator) -> tuple[list[np.ndarray], list[int]]:
+    """About n textured crops of these photos, evenly; and each one's photo (its number in files)."""
+    out, owner = [], []
+    per = -(-n // len(files))
+    for k, (_, path) in enumerate(files):
+        got = textured_crops(load(path, 1024), per, rng, SIDES, MIN_STD)
+        out += got
+        owner += [k] * len(got)
+    return out, owner
 
 
 def _jpeg(im: Image.Image, q: int) -> Image.Image:
@@ -88,45 +74,78 @@ TRANSFORMS = {
 }
 
 
-def quality_table(pics: list[tuple[str, Image.Image]]) -> None:
-    pairs = [reference_hashes(np.asarray(im)) for _, im in pics]
-    n = len(pics)
-    # the nearest test image (the copy's own photo included) per transform: (distance to own, nearest other)
-    own = {t: [] for t in TRANSFORMS}
-    other = {t: [] for t in TRANSFORMS}
+def chance_matches(test_hashes: np.ndarray, test_thumbs: np.ndarray, train: list[tuple[int, np.ndarray]],
+                   threshold: int) -> tuple[int, int, int, int]:
+    """test_hashes [T, VARIANTS] uint64, test_thumbs [T, 2, THUMB_BYTES]; train: signature() of each clean
+    image -> (pairs within the threshold, training images with one; the same two after the check)."""
+    pairs = images = pairs2 = images2 = 0
+    for h, t in train:
+        cand = np.flatnonzero(np.bitwise_count(test_hashes ^ np.uint64(h)).min(axis=1) <= threshold)
+        if not len(cand):
+            continue
+        pairs, images = pairs + len(cand), images + 1
+        dup = int((margin(t, test_thumbs[cand]) >= 0).sum())
+        pairs2, images2 = pairs2 + dup, images2 + (dup > 0)
+    return pairs, images, pairs2, images2
+
+
+def honest(n_test: int, n_train: int, n_copies: int, threshold: int) -> None:
+    files, why = photo_files()
+    if why:
+        print(f"some photos are missing: {why}")
+    rng = np.random.default_rng(0)
+    test_files = [f for i, f in enumerate(files) if i % 5 in (0, 1, 3)]
+    train_files = [f for i, f in enumerate(files) if i % 5 in (2, 4)]
+    test, photo = crops(test_files, n_test, rng)
+    train = [signature(a) for a in crops(train_files, n_train, rng)[0]]
+    refs = [reference(a) for a in test]
+    hashes, thumbs = np.array([r[0] for r in refs], np.uint64), np.stack([r[1] for r in refs])
+    print(f"test set: {len(test)} crops of {len(test_files)} photos; clean training images: {len(train)} crops "
+          f"of {len(train_files)} other photos; D = {threshold}")
+    n_pairs = len(test) * len(train)
+    pairs, images, pairs2, images2 = chance_matches(hashes, thumbs, train, threshold)
+    for name, p, i in (("hash alone", pairs, images), ("hash + second signature", pairs2, images2)):
+        rate = p / n_pairs
+        print(f"{name}: {p} of {n_pairs} pairs match ({rate:.2e} per pair), {i} of {len(train)} clean images "
+              f"rejected against {len(test)} test images; against {AT_SCALE}: {1 - (1 - rate) ** AT_SCALE:.4f}")
+    print(f"ratio decontam_false_rate_300k_hash_only {1 - (1 - pairs / n_pairs) ** AT_SCALE:.4f}")
+    print(f"ratio decontam_false_rate_300k {1 - (1 - pairs2 / n_pairs) ** AT_SCALE:.4f}")
+    recall_table(test, photo, hashes, thumbs, n_copies, threshold, rng)
+
+
+def recall_table(test: list[np.ndarray], photo: list[int], hashes: np.ndarray, thumbs: np.ndarray, n_copies: int,
+                 threshold: int, rng: np.random.Generator) -> None:
+    """Copies of n_copies test crops per transform, looked up among all of them."""
+    alone = NearIndex.build([tuple(int(x) for x in h) for h in hashes], threshold)
+    full = NearIndex(alone.hashes, alone.owner, threshold, thumbs)
+    picked = rng.choice(len(test), min(n_copies, len(test)), replace=False)
+    print(f"recall of {len(picked)} copies per transform (found: a crop of its own photo)")
+    print("| transform | hash alone | hash + second signature |")
+    print("|---|---|---|")
     for t, fn in TRANSFORMS.items():
-        for i, (_, im) in enumerate(pics):
-            h = phash(np.asarray(fn(im)))
-            own[t].append(min(distance(h, x) for x in pairs[i]))
-            other[t].append(min(distance(h, x) for j, p in enumerate(pairs) if j != i for x in p))
-    # an unrelated photo as a training image against every variant of each other photo
-    unrelated = [min(distance(pairs[i][0], x) for x in pairs[j]) for i in range(n) for j in range(n) if i != j]
-    print(f"{n} photos; {len(unrelated)} lookups of an unrelated photo (each against the other's {VARIANTS} hashes)")
-    print("| D | " + " | ".join(TRANSFORMS) + " | false matches |")
-    print("|---|" + "---|" * (len(TRANSFORMS) + 1))
-    for d in THRESHOLDS:
-        cells = []
-        for t in TRANSFORMS:
-            hits = sum(o <= d and o <= x for o, x in zip(own[t], other[t]))
-            cells.append(f"{hits / n:.2f}")
-        print(f"| {d} | " + " | ".join(cells) + f" | {sum(u <= d for u in unrelated)} |")
-    print("closest unrelated pair: distance", min(unrelated), "; farthest copy:",
-          {t: max(v) for t, v in own.items()})
+        found = [0, 0]
+        for j in picked:
+            h, s = signature(np.asarray(fn(Image.fromarray(test[j]))))
+            for k, m in enumerate((alone.nearest(h), full.nearest(h, s))):
+                found[k] += m is not None and photo[m.test] == photo[j]
+        print(f"| {t} | {found[0] / len(picked):.3f} | {found[1] / len(picked):.3f} |")
 
 
 def speed(threshold: int, n_test: int, n_query: int, node_cores: int) -> None:
     rng = np.random.default_rng(0)
     pairs = [tuple(int(x) for x in rng.integers(0, 2**64, VARIANTS, dtype=np.uint64)) for _ in range(n_test)]
+    thumbs = rng.integers(0, 256, (n_test, 2, THUMB_BYTES), dtype=np.uint8)
     t0 = time.perf_counter()
-    index = NearIndex.build(pairs, threshold)
+    index = NearIndex.build(pairs, threshold, thumbs)
     build_s = time.perf_counter() - t0
     queries = [int(x) for x in rng.integers(0, 2**64, n_query, dtype=np.uint64)]
     queries[::10] = [pairs[i][0] ^ 0b1011 for i in range(0, len(queries[::10]))]  # a tenth are near copies
+    qthumbs = thumbs[np.arange(n_query) % n_test, 0]  # the near copies' own: they pass the check
     t0 = time.perf_counter()
-    fast = [index.nearest(q) for q in queries]
+    fast = [index.nearest(q, t) for q, t in zip(queries, qthumbs)]
     fast_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    brute = [index.nearest_brute(q) for q in queries[: n_query // 4]]
+    brute = [index.nearest_brute(q, t) for q, t in zip(queries[: n_query // 4], qthumbs)]
     brute_s = (time.perf_counter() - t0) * 4
     assert fast[: len(brute)] == brute, "the index disagrees with a brute-force scan"
     rate = n_query / fast_s
@@ -139,13 +158,15 @@ def speed(threshold: int, n_test: int, n_query: int, node_cores: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--photos", action="append", default=[], help="a folder of unrelated photographs")
+    p.add_argument("--test-crops", type=int, default=12_000)
+    p.add_argument("--train-crops", type=int, default=8_000)
+    p.add_argument("--copies", type=int, default=600, help="test crops copied per transform")
     p.add_argument("--threshold", type=int, default=DEFAULT_NEAR_THRESHOLD)
     p.add_argument("--test-images", type=int, default=100_000)
     p.add_argument("--queries", type=int, default=20_000)
     p.add_argument("--node-cores", type=int, default=64)
     args = p.parse_args()
-    quality_table(photos(args.photos))
+    honest(args.test_crops, args.train_crops, args.copies, args.threshold)
     speed(args.threshold, args.test_images, args.queries, args.node_cores)
 
 

@@ -32,6 +32,9 @@ CLI (2 workers, same resize and quality) on 1000 and 4000 images, with ``--exclu
 images (other generated pictures) and without, throughput at the margin in CPU seconds (the test
 sets' hashing, the same in both sizes, drops out of the margin and is printed apart):
   ratio prep_decontam_vs_plain VALUE   (goal >= 0.90)
+then ``vitp decontam`` of the plain outputs against the same 10k test images (no image decoded: the
+signatures prep stored) against prep of the same images, CPU seconds at the margin, and in all:
+  ratio decontam_after_vs_prep VALUE   (goal <= 0.1)
 
 Usage: python bench/prep.py [--quick] [--images N] [--repeats R] [--img2dataset BIN] [--decontam]
 """
@@ -380,7 +383,8 @@ def make_test_set(root: Path, n: int, seed: int = 7) -> None:
 
 def versus_plain(scratch: Path, workers: int = 2, small: int = 1000, large: int = 4000, n_test: int = 10_000,
                  repeats: int = 2) -> float:
-    """Throughput at the margin (CPU) of `vitp prep --exclude-near TEST` over plain `vitp prep`."""
+    """Throughput at the margin (CPU) of `vitp prep --exclude-near TEST` over plain `vitp prep` (printed);
+    returns `vitp decontam` of a plain output over its prep, CPU per image at the margin."""
     from data_prep.testsets import build_index
 
     src, test = scratch / "dc_images", scratch / "dc_test"
@@ -408,7 +412,18 @@ def versus_plain(scratch: Path, workers: int = 2, small: int = 1000, large: int 
     margin = {k: (large - small) / (best[k, large] - best[k, small]) for k in variants}
     for k in variants:
         print(f"# {k} at the margin ({large} - {small} images): {margin[k]:.0f} img per CPU-s", flush=True)
-    return margin["decontam"] / margin["plain"]
+    print(f"ratio prep_decontam_vs_plain {margin['decontam'] / margin['plain']:.3f}", flush=True)
+    after = {}
+    for n in (small, large):  # the plain output of n images, checked after the fact
+        _, prep_cpu, _ = vitp_cli_run(manifests[n], scratch / "dc_after", workers)
+        _, cpu = _timed([sys.executable, "-m", "launch.cli", "decontam", str(scratch / "dc_after"),
+                         "--exclude-near", str(test)])
+        after[n] = (prep_cpu, cpu)
+        print(f"# vitp decontam of {n} prepared images: {cpu:.1f} CPU-s (their prep: {prep_cpu:.1f})", flush=True)
+    per_image = {k: (after[large][k] - after[small][k]) / (large - small) for k in (0, 1)}
+    print(f"# in all, {large} images: decontam / prep = {after[large][1] / after[large][0]:.3f} (the test "
+          "set's hashing included)", flush=True)
+    return per_image[1] / per_image[0]
 
 
 def main() -> None:
@@ -426,7 +441,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="vitp-bench-prep-"))
     try:
         if args.decontam:
-            print(f"ratio prep_decontam_vs_plain {versus_plain(scratch, repeats=args.repeats):.3f}", flush=True)
+            print(f"ratio decontam_after_vs_prep {versus_plain(scratch, repeats=args.repeats):.3f}", flush=True)
             return
         if args.img2dataset:
             cpu_ratio, wall_ratio = versus_img2dataset(args.img2dataset, scratch, repeats=args.repeats)

@@ -4,6 +4,7 @@ Output directory:
   _plan.json, _plan/              the plan's index and its pieces (written first; see plan.py)
   classes.json                    class names, index = position
   <split>-NNNNNN.tar              samples <key>.cls / <key>.jpg|png|webp / <key>.json
+  <split>-NNNNNN_sig.npz          each kept sample's key and near-duplicate signature (data_prep/near.py)
   <split>-NNNNNN_stats.json       count, bytes, rejects by reason, seconds (written last per shard)
   rejects.jsonl, _info.json       written by finalize() when all shards are complete
 
@@ -189,11 +190,16 @@ def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int, near: tupl
 
 
 def _decontaminated(block: dict | None, rejects: list[dict]) -> dict | None:
-    """The plan's decontaminated block with its counts: rejected per test set and in all."""
+    """The plan's decontaminated block with its counts: per test set, the training images rejected and
+    the distinct test images that had a duplicate among them (``duplicated``: as BiT counts per test
+    set), and the training images rejected in all."""
     if block is None:
         return None
     near = [r["of"] for r in rejects if r["reason"] == NEAR_DUPLICATE]
-    against = [{**a, "rejected": sum(o.startswith(a["address"] + "/") for o in near)} for a in block["against"]]
+    against = []
+    for a in block["against"]:
+        mine = [o for o in near if o.startswith(a["address"] + "/")]
+        against.append({**a, "rejected": len(mine), "duplicated": len(set(mine))})
     return {**block, "against": against, "rejected": len(near)}
 
 

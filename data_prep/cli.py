@@ -115,8 +115,9 @@ def add_prep_options(p: argparse.ArgumentParser) -> None:
                    help="of a prep output given to --exclude-near, these splits, e.g. test,val "
                         "(default: its test split if it has one, else every split)")
     p.add_argument("--near-threshold", type=int, metavar="D",
-                   help="near-duplicate: at most D of the 64 bits of the perceptual hash differ (Hamming "
-                        "distance, 0-24; default 12, measured in the README's table)")
+                   help="near-duplicate candidate: at most D of the 64 bits of the perceptual hash differ "
+                        "(Hamming distance, 0-24; default 12, measured in the README's table); each candidate "
+                        "is then checked with thumbnails")
     p.add_argument("--shard-size-mb", action=Renamed, new="--shard-size 500MB (bytes with a unit)")
 
 
@@ -182,4 +183,43 @@ def verify_main(argv: list[str]) -> int:
     per_split = ", ".join(f"{name} {s.num_samples}" for name, s in splits.items())
     print(f"vitp verify: {shown} OK: {shards} shards, {sum(s.num_samples for s in splits.values())} samples "
           f"({per_split}), {info.num_rejects or 0} rejects")
+    return 0
+
+
+DECONTAM_EPILOG = """\
+Reads the signatures `vitp prep` stored beside each shard (no image is read) and writes
+OUT/_exclude.json: the samples that are near-duplicates of a test image. Every loader leaves them
+out (the shards stay as they are). The same test sets again change nothing.
+
+example:
+  vitp decontam out/web --exclude-near data/imagenet_val --exclude-near s3://bench/cifar10
+Exit status 0 when the list is written; 2 a usage or input mistake (one line on stderr), nothing written.
+"""
+
+
+def decontam_main(argv: list[str]) -> int:
+    from pipeline.config.prep import DEFAULT_NEAR_THRESHOLD, MAX_NEAR_THRESHOLD
+
+    p = argparse.ArgumentParser(prog="vitp decontam", description="Check a prep output against test sets.",
+                                epilog=DECONTAM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="what vitp prep wrote: a folder, s3://bucket/prefix, gs://...")
+    p.add_argument("--exclude-near", action="append", metavar="TEST", required=True,
+                   help="a test set (repeatable): an image folder, a manifest or a vitp prep output")
+    p.add_argument("--exclude-near-splits", metavar="SPLITS",
+                   help="of a prep output given to --exclude-near, these splits (default: test, else all)")
+    p.add_argument("--near-threshold", type=int, metavar="D", default=DEFAULT_NEAR_THRESHOLD,
+                   help=f"hash candidates within D bits (0-{MAX_NEAR_THRESHOLD}; default {DEFAULT_NEAR_THRESHOLD})")
+    args = p.parse_args(argv)
+    if not 0 <= args.near_threshold <= MAX_NEAR_THRESHOLD:
+        raise ValueError(f"--near-threshold: must be in 0..{MAX_NEAR_THRESHOLD}; got {args.near_threshold}")
+    if len(set(args.exclude_near)) != len(args.exclude_near):
+        raise ValueError(f"--exclude-near: the same test set twice in {args.exclude_near}")
+    from . import store
+    from .decontam import EXCLUDE_FILE, decontam
+
+    splits = args.exclude_near_splits.split(",") if args.exclude_near_splits else None
+    s = decontam(args.out, args.exclude_near, splits, args.near_threshold)
+    per = ", ".join(f"{a['address']}: {a['rejected']} ({a['duplicated']} test images)" for a in s["against"])
+    print(f"vitp decontam: {s['excluded']} samples excluded ({per}); "
+          f"{store.public(store.join(args.out, EXCLUDE_FILE))}")
     return 0

@@ -21,7 +21,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
-from .near import phash
+from .near import signature as near_signature
 
 # Reject reasons (the `reason` field of rejects.jsonl).
 EMPTY, NOT_IMAGE, TRUNCATED, DECODE_ERROR = "empty", "not_image", "truncated", "decode_error"
@@ -73,7 +73,8 @@ class Stored:
     width: int
     height: int
     sha256: str
-    phash: int | None = None  # data_prep/near.py's hash of the stored pixels, when asked for
+    # data_prep/near.py's signature of the stored pixels (hash, second signature), when asked for
+    signature: tuple | None = None
 
 
 def target_size(w: int, h: int, opts: ImageOptions) -> tuple[int, int]:
@@ -297,14 +298,14 @@ def process_image(path: str, opts: ImageOptions, signature: bool = False) -> Sto
     except Exception as e:  # a kept file must decode completely too
         raise _decode_error(e) from None
     if keep:
-        sig = phash(a if a is not None else to_rgb_array(hd.im)) if signature else None
+        sig = near_signature(a if a is not None else to_rgb_array(hd.im)) if signature else None
         return Stored(data, _KEEPABLE[hd.format], w, h, w, h, hashlib.sha256(data).hexdigest(), sig)
     # resize before rotating: the same pixels (both filters are separable and symmetric, so they
     # commute with flips and transposes), fewer of them to move
     a = orient(resize_region(a, n, (0, 0, w, h), (rw, rh)), orientation)
     out = encode_jpeg(a, opts.quality)
     return Stored(out, "jpg", w, h, a.shape[1], a.shape[0], hashlib.sha256(out).hexdigest(),
-                  phash(a) if signature else None)
+                  near_signature(a) if signature else None)
 
 
 def encode_jpeg(a: np.ndarray, quality: int) -> bytes:

@@ -7,7 +7,20 @@ frame around a picture (flat outer rows and columns) is trimmed before hashing. 
 many bits, and so does a crop (it rescales the picture): each test image is indexed with four hashes,
 its own, its mirror's (which the DCT gives for free: mirroring x multiplies horizontal frequency k by
 (-1)^k), its centre's (the 95% a small crop leaves) and that one's mirror's. Two images are
-near-duplicates when their hashes differ in at most D bits (Hamming distance).
+near-duplicates when their hashes differ in at most D bits (Hamming distance) and their colour
+thumbnails agree (below).
+
+The hash alone matches unrelated pictures by chance (a per-pair rate near 1e-4 on textured crops of
+real photos: two crops that each hold one edge between two flat regions hash alike), which against a
+few hundred thousand test images would reject most clean training images. So the hash only finds
+candidates, and each is checked with a second signature of the trimmed picture (448 bytes): its 8x8
+RGB thumbnail, and its 16x16 grey thumbnail less a Gaussian blur of it (sigma 1.5 px: the detail, where
+the edge's two flat sides leave nothing and a texture shows). Each is compared by correlation, with
+its mean taken out (a brightness or contrast change, JPEG noise and resizing move it little; another
+picture, the same edge in other colours or over another texture, far). A test image keeps two, its
+own and its centre's; their mirrors are column flips. Near-duplicates: within D bits on the hash, and
+for one of the four, a colour correlation of at least MIN_COLOUR and a detail one of at least
+MIN_DETAIL (``margin``: the smaller of the two excesses, >= 0; MIN_GREY where either is grey).
 
 The index is multi-index hashing (Norouzi et al., 2012): the 64 bits cut into 4 bands of 16; if two
 hashes lie within D bits, one band differs in at most D // 4 of them (pigeonhole), so a lookup probes,
@@ -26,7 +39,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-SIGNATURE, SIGNATURE_VERSION = "phash-dct-64", 1
+SIGNATURE, SIGNATURE_VERSION = "phash-dct-64+thumbs-448", 2
 BANDS, BAND_BITS = 4, 16
 _SIDE, _LOW = 32, 8
 # mirroring the 32 columns multiplies the DCT's horizontal frequency k by (-1)^k
@@ -35,6 +48,13 @@ _FLAT = 16  # grey levels: a row or column spanning fewer is part of a frame
 CENTRE = 0.95
 _WORK = 128
 VARIANTS = 4  # hashes per test image (reference_hashes)
+# the second signature, uint8: the colour thumbnail [COLOUR, COLOUR, 3] then the grey one [DETAIL, DETAIL]
+COLOUR, DETAIL, BLUR_SIGMA = 8, 16, 1.5
+THUMB_BYTES = COLOUR * COLOUR * 3 + DETAIL * DETAIL
+# set on bench/decontam.py's textured crops of real photos (the README's table): of 2.4e8 unrelated
+# pairs, ~2e4 lie within 12 bits and about one passes; each transform keeps >= 95% recall
+MIN_COLOUR, MIN_DETAIL = 0.95, 0.85
+MIN_GREY = 0.97, 0.90  # (luma, detail) where either image is grey
 
 
 def grey(a: np.ndarray) -> np.ndarray:
@@ -42,17 +62,34 @@ def grey(a: np.ndarray) -> np.ndarray:
     return a if a.ndim == 2 else cv2.cvtColor(a, cv2.COLOR_RGB2GRAY)
 
 
-def trim(g: np.ndarray) -> np.ndarray:
-    """g: [H, W] grey -> without its flat outer rows and columns (a frame or border put around a
-    picture), unless that would leave less than half of either side (a mostly flat image)."""
-    def span(flat: np.ndarray) -> tuple[int, int]:
-        busy = np.flatnonzero(~flat)
-        return (int(busy[0]), int(busy[-1]) + 1) if len(busy) else (0, len(flat))
+def _span(flat: np.ndarray) -> tuple[int, int]:
+    busy = np.flatnonzero(~flat)
+    return (int(busy[0]), int(busy[-1]) + 1) if len(busy) else (0, len(flat))
 
-    y0, y1 = span(np.ptp(g, axis=1) <= _FLAT)
-    x0, x1 = span(np.ptp(g, axis=0) <= _FLAT)
-    if 2 * (y1 - y0) < g.shape[0] or 2 * (x1 - x0) < g.shape[1]:
-        return g
+
+def trim_box(g: np.ndarray) -> tuple[int, int, int, int]:
+    """g: [H, W] grey -> (y0, y1, x0, x1) without its flat outer rows and columns (a frame or border put
+    around a picture), unless that would leave less than half of either side (a mostly flat image).
+    Repeated: a picture whose own edge row is flat loses it once the frame is off, as it does unframed.
+    A trimmed side loses one line more: where the area resize cut a frame's edge, the line it shares with
+    the picture is neither flat nor the picture's, and its step would read as detail."""
+    y0, y1, x0, x1 = 0, g.shape[0], 0, g.shape[1]
+    for _ in range(3):
+        inner = g[y0:y1, x0:x1]
+        h, w = inner.shape
+        (a, b), (c, d) = _span(np.ptp(inner, axis=1) <= _FLAT), _span(np.ptp(inner, axis=0) <= _FLAT)
+        if (a, b, c, d) == (0, h, 0, w):
+            break
+        a, b, c, d = a + (a > 0), b - (b < h), c + (c > 0), d - (d < w)
+        if 2 * (b - a) < g.shape[0] or 2 * (d - c) < g.shape[1]:
+            break
+        y0, y1, x0, x1 = y0 + a, y0 + b, x0 + c, x0 + d
+    return y0, y1, x0, x1
+
+
+def trim(g: np.ndarray) -> np.ndarray:
+    """g: [H, W] grey -> g inside trim_box."""
+    y0, y1, x0, x1 = trim_box(g)
     return g[y0:y1, x0:x1]
 
 
@@ -63,7 +100,7 @@ def _low_dct(g: np.ndarray) -> np.ndarray:
 
 
 def _centre(g: np.ndarray, keep: float) -> np.ndarray:
-    h, w = g.shape
+    h, w = g.shape[:2]
     dy, dx = round(h * (1 - keep) / 2), round(w * (1 - keep) / 2)
     return g[dy:h - dy, dx:w - dx]
 
@@ -74,27 +111,106 @@ def _bits(d: np.ndarray) -> int:
     return int.from_bytes(np.packbits(flat > median).tobytes(), "big")
 
 
-def _small_grey(a: np.ndarray) -> np.ndarray:
-    """a: [H, W(, 3)] -> grey, area-reduced by a whole factor to a longer side of 128-255 px (OpenCV's
-    fast path: a fractional area resize costs 20x more), its frame trimmed at that size, where JPEG
-    noise on a flat frame is averaged away."""
+def _small(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """a: [H, W(, 3)] -> (grey [h, w], colour [h, w(, 3)]), area-reduced by a whole factor to a longer
+    side of 128-255 px (OpenCV's fast path: a fractional area resize costs 20x more), the frame trimmed
+    at that size, where JPEG noise on a flat frame is averaged away."""
     f = max(a.shape[:2]) // _WORK
     if f > 1:  # before the grey conversion: it then converts f^2 times fewer pixels
         a = cv2.resize(a, None, fx=1 / f, fy=1 / f, interpolation=cv2.INTER_AREA)
-    return trim(grey(a))
+    y0, y1, x0, x1 = trim_box(g := grey(a))
+    return g[y0:y1, x0:x1], a[y0:y1, x0:x1]
+
+
+def thumb(c: np.ndarray) -> np.ndarray:
+    """c: [h, w, 3] RGB or [h, w] grey uint8 -> its second signature [THUMB_BYTES] uint8 (area-resized)."""
+    t = cv2.resize(c, (COLOUR, COLOUR), interpolation=cv2.INTER_AREA)
+    t = np.repeat(t[..., None], 3, axis=2) if t.ndim == 2 else t
+    return np.concatenate([t.ravel(), cv2.resize(grey(c), (DETAIL, DETAIL), interpolation=cv2.INTER_AREA).ravel()])
 
 
 def phash(a: np.ndarray) -> int:
-    """a: [H, W, 3] RGB or [H, W] grey uint8 -> its 64-bit perceptual hash (a training image's)."""
-    return _bits(_low_dct(_small_grey(a)))
+    """a: [H, W, 3] RGB or [H, W] grey uint8 -> its 64-bit perceptual hash."""
+    return _bits(_low_dct(_small(a)[0]))
+
+
+def signature(a: np.ndarray) -> tuple[int, np.ndarray]:
+    """A training image [H, W(, 3)] uint8 -> (its hash, its second signature [THUMB_BYTES] uint8)."""
+    g, c = _small(a)
+    return _bits(_low_dct(g)), thumb(c)
+
+
+def reference(a: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
+    """A test image's signatures: (its VARIANTS hashes: the image's, its mirror's, and its centre's (the
+    95% a small crop leaves; a crop shrinks the picture's scale, which moves the low frequencies) and
+    that one's mirror's; second signatures [2, THUMB_BYTES] uint8 of the image and of its centre)."""
+    g, c = _small(a)
+    whole, centre = _low_dct(g), _low_dct(_centre(g, CENTRE))
+    hashes = _bits(whole), _bits(whole * _FLIP), _bits(centre), _bits(centre * _FLIP)
+    return hashes, np.stack([thumb(c), thumb(_centre(c, CENTRE))])
 
 
 def reference_hashes(a: np.ndarray) -> tuple[int, ...]:
-    """A test image's hashes: the image's, its mirror's, and its centre's (the 95% a small crop leaves;
-    a crop shrinks the picture's scale, which moves the low frequencies) and that one's mirror's."""
-    g = _small_grey(a)
-    whole, centre = _low_dct(g), _low_dct(_centre(g, CENTRE))
-    return _bits(whole), _bits(whole * _FLIP), _bits(centre), _bits(centre * _FLIP)
+    """reference()'s hashes alone."""
+    return reference(a)[0]
+
+
+def _unit(v: np.ndarray) -> np.ndarray:
+    """[..., K] -> float32 [..., K], mean 0, norm 1 (a flat one: all 0, so it correlates with nothing)."""
+    v = v.astype(np.float32)
+    v -= v.mean(axis=-1, keepdims=True)
+    n = np.linalg.norm(v, axis=-1, keepdims=True)
+    return np.divide(v, n, out=np.zeros_like(v), where=n > 1e-3)
+
+
+def _blur_matrix() -> np.ndarray:
+    """[DETAIL, DETAIL]: K with K @ g @ K.T == cv2.GaussianBlur(g, sigma=BLUR_SIGMA) for a [DETAIL, DETAIL] g
+    (the blur is separable; a row of ones stays ones, so blurring the one-row image e_j 1^T gives
+    column j of K): one batched product blurs thousands of thumbnails."""
+    cols = []
+    for j in range(DETAIL):
+        e = np.zeros((DETAIL, DETAIL), np.float32)
+        e[j] = 1.0
+        cols.append(cv2.GaussianBlur(e, (0, 0), BLUR_SIGMA)[:, 0])
+    return np.stack(cols, axis=1)
+
+
+BLUR_MATRIX = _blur_matrix()
+
+
+def _parts(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """thumbs [..., THUMB_BYTES] -> (colour [..., 192], its luma [..., 64], detail [..., 256]: unit vectors;
+    is it grey [...]: bool)."""
+    colour = t[..., :COLOUR * COLOUR * 3].reshape(*t.shape[:-1], COLOUR, COLOUR, 3).astype(np.float32)
+    g = t[..., COLOUR * COLOUR * 3:].reshape(*t.shape[:-1], DETAIL, DETAIL).astype(np.float32)
+    detail = (g - BLUR_MATRIX @ g @ BLUR_MATRIX.T).reshape(*t.shape[:-1], DETAIL * DETAIL)
+    luma = colour @ np.array([0.299, 0.587, 0.114], np.float32)
+    is_grey = np.ptp(colour, axis=-1).max(axis=(-2, -1)) <= 2
+    flat = colour.reshape(*t.shape[:-1], COLOUR * COLOUR * 3)
+    return _unit(flat), _unit(luma.reshape(*t.shape[:-1], COLOUR * COLOUR)), _unit(detail), is_grey
+
+
+def _mirrored(t: np.ndarray) -> np.ndarray:
+    """A second signature [THUMB_BYTES] -> its mirror's (both thumbnails' columns flipped)."""
+    colour = t[:COLOUR * COLOUR * 3].reshape(COLOUR, COLOUR, 3)[:, ::-1]
+    return np.concatenate([colour.ravel(), t[COLOUR * COLOUR * 3:].reshape(DETAIL, DETAIL)[:, ::-1].ravel()])
+
+
+def margin(train: np.ndarray, refs: np.ndarray) -> np.ndarray:
+    """train: [THUMB_BYTES]; refs: [N, 2, THUMB_BYTES] (reference()'s) -> [N] float32: for the best of
+    each test image's own, its centre's and their mirrors, min(colour - MIN_COLOUR, detail - MIN_DETAIL)
+    of the correlations with the training image's (>= 0: a near-duplicate). Where either is grey, the
+    colour correlation is of their luma (a grey test set, a colour copy on the web), and both must
+    reach MIN_GREY (without colour, the same edge over other textures agrees more often). A test
+    image's mirror against the training image is the test image against the training image's mirror."""
+    rc, rl, rd, r_grey = _parts(refs)  # [N, 2, K]
+    out = []
+    for t in (train, _mirrored(train)):
+        tc, tl, td, t_grey = _parts(t)
+        grey_pair = r_grey | t_grey
+        colour = np.where(grey_pair, rl @ tl - MIN_GREY[0], rc @ tc - MIN_COLOUR)
+        out.append(np.minimum(colour, rd @ td - np.where(grey_pair, MIN_GREY[1], MIN_DETAIL)))
+    return np.concatenate(out, axis=1).max(axis=1)
 
 
 def distance(a: int, b: int) -> int:
@@ -113,19 +229,23 @@ def _masks(radius: int) -> np.ndarray:
 class Match:
     distance: int
     test: int  # the test image's number in the index (names: the caller's list)
+    margin: float | None = None  # of the second signature (see margin(); None: an index of hashes alone)
 
 
 class NearIndex:
-    """Hashes of test images (each with its variants) -> the nearest within ``threshold`` bits.
+    """Signatures of test images -> the nearest within ``threshold`` bits whose second signature agrees
+    (see the module's docstring).
 
-    hashes: [N] uint64 (VARIANTS rows per test image, see reference_hashes); owner: [N] int32, the
-    test image of each row. The four bands' tables are one: key = band << 16 | the band's 16 bits;
+    hashes: [N] uint64 (VARIANTS rows per test image, see reference); owner: [N] int32, the test image
+    of each row; thumbs: [n, 2, THUMB_BYTES] uint8 per test image, or None (hashes alone: the
+    benchmark's baseline). The four bands' tables are one: key = band << 16 | the band's 16 bits;
     rows [4N] int32 and their hashes [4N] uint64 sorted by key; start [4 x 65536 + 1], where each key's
     rows begin (so one lookup probes all four bands in one vectorised step).
     """
 
-    def __init__(self, hashes: np.ndarray, owner: np.ndarray, threshold: int):
+    def __init__(self, hashes: np.ndarray, owner: np.ndarray, threshold: int, thumbs: np.ndarray | None = None):
         self.hashes, self.owner, self.threshold = hashes.astype(np.uint64), owner.astype(np.int32), threshold
+        self.thumbs = thumbs
         self.masks = _masks(threshold // BANDS)
         keys = np.concatenate([self._band(self.hashes, b) + (b << BAND_BITS) for b in range(BANDS)])
         order = np.argsort(keys, kind="stable")
@@ -134,10 +254,11 @@ class NearIndex:
         self.start = np.searchsorted(keys[order], np.arange(BANDS * 2**BAND_BITS + 1)).astype(np.int64)
 
     @classmethod
-    def build(cls, hashes: list[tuple[int, ...]], threshold: int) -> NearIndex:
-        """``hashes``: reference_hashes() of each test image, in the caller's order."""
+    def build(cls, hashes: list[tuple[int, ...]], threshold: int, thumbs: np.ndarray | None = None) -> NearIndex:
+        """``hashes``: reference() hashes of each test image, in the caller's order; ``thumbs``: their
+        second signatures [n, 2, THUMB_BYTES] (None: hashes alone)."""
         owner = np.array([i for i, hs in enumerate(hashes) for _ in hs], np.int32)
-        return cls(np.array([x for hs in hashes for x in hs], np.uint64), owner, threshold)
+        return cls(np.array([x for hs in hashes for x in hs], np.uint64), owner, threshold, thumbs)
 
     @staticmethod
     def _band(h, b: int):
@@ -146,8 +267,10 @@ class NearIndex:
     def __len__(self) -> int:
         return int(self.owner.max()) + 1 if len(self.owner) else 0
 
-    def nearest(self, h: int) -> Match | None:
-        """The closest test image within the threshold (the lowest number among equals), or None."""
+    def nearest(self, h: int, t: np.ndarray | None = None) -> Match | None:
+        """The closest test image within the threshold whose thumbnail agrees with ``t`` (the lowest
+        number among equals), or None. h, t: signature() of the training image (t: only for an index
+        with second signatures)."""
         keys = np.array([(b << BAND_BITS) | ((h >> (b * BAND_BITS)) & 0xFFFF) for b in range(BANDS)], np.int64)
         probes = (keys[:, None] ^ self.masks[None, :]).ravel()
         lo, n = self.start[probes], self.start[probes + 1] - self.start[probes]
@@ -159,25 +282,38 @@ class NearIndex:
         ok = np.flatnonzero(d <= self.threshold)
         if not len(ok):
             return None
-        d, who = d[ok], self.owner[self.rows[at[ok]]]
-        best = np.lexsort((who, d))[0]
-        return Match(int(d[best]), int(who[best]))
+        return self._verified(d[ok], self.owner[self.rows[at[ok]]], t)
 
-    def nearest_brute(self, h: int) -> Match | None:
+    def _verified(self, d: np.ndarray, who: np.ndarray, t: np.ndarray | None) -> Match | None:
+        """Candidates (distance [k], test image [k]) -> the best whose second signature agrees with t."""
+        sim = None
+        if self.thumbs is not None:
+            if t is None:
+                raise ValueError("this index checks a second signature: give the training image's (signature())")
+            tests, back = np.unique(who, return_inverse=True)
+            sim = margin(t, self.thumbs[tests])[back]
+            keep = np.flatnonzero(sim >= 0)
+            d, who, sim = d[keep], who[keep], sim[keep]
+            if not len(keep):
+                return None
+        best = np.lexsort((who, d))[0]
+        return Match(int(d[best]), int(who[best]), None if sim is None else round(float(sim[best]), 4))
+
+    def nearest_brute(self, h: int, t: np.ndarray | None = None) -> Match | None:
         """The same answer by scanning every hash (tests, and the bench's baseline)."""
         d = np.bitwise_count(self.hashes ^ np.uint64(h))
         ok = np.flatnonzero(d <= self.threshold)
         if not len(ok):
             return None
-        best = ok[np.lexsort((self.owner[ok], d[ok]))[0]]
-        return Match(int(d[best]), int(self.owner[best]))
+        return self._verified(d[ok], self.owner[ok], t)
 
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
-        np.savez(buf, hashes=self.hashes, owner=self.owner, threshold=np.int64(self.threshold))
+        extra = {} if self.thumbs is None else {"thumbs": self.thumbs}
+        np.savez(buf, hashes=self.hashes, owner=self.owner, threshold=np.int64(self.threshold), **extra)
         return buf.getvalue()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> NearIndex:
         z = np.load(io.BytesIO(data), allow_pickle=False)
-        return cls(z["hashes"], z["owner"], int(z["threshold"]))
+        return cls(z["hashes"], z["owner"], int(z["threshold"]), z["thumbs"] if "thumbs" in z.files else None)

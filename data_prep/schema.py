@@ -25,7 +25,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import store
+
 INFO_FILE = "_info.json"
+# `vitp decontam`'s list of samples every loader leaves out (data_prep/decontam.py writes it)
+EXCLUDE_FILE, EXCLUDE_VERSION = "_exclude.json", 1
 CLASSES_FILE = "classes.json"
 FORMAT_VERSION = 1
 
@@ -222,3 +226,20 @@ class _Checker:
     def opt_count(self, obj: dict, key: str, where: str = "") -> int | None:
         value = obj.get(key)
         return None if value is None else self.count(value, f"{where}.{key}" if where else key)
+
+
+def read_exclusions(root: str) -> dict | None:
+    """OUT/_exclude.json parsed (None: there is none); a newer version or a malformed file is one line."""
+    raw = store.read_file(root, EXCLUDE_FILE)
+    if raw is None:
+        return None
+    where = store.public(store.join(root, EXCLUDE_FILE))
+    try:
+        doc = json.loads(raw)
+        version, samples = doc["version"], doc["samples"]
+        pairs = [(s["split"], s["shard"], int(s["index"])) for s in samples]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: malformed ({e})") from None
+    if version != EXCLUDE_VERSION:
+        raise ValueError(f"{where}: version {version!r}; this vitp reads version {EXCLUDE_VERSION}")
+    return {**doc, "pairs": pairs}

@@ -8,6 +8,7 @@ sample's byte offset, where a reader resumes mid-shard with a ranged read).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -18,11 +19,14 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 
+import numpy as np
+
 from pipeline import faults
 from pipeline.files import atomic_write
 from pipeline.stops import Classified
 
 from .images import NEAR_DUPLICATE, ImageOptions, Reject, init_worker, process_image
+from .near import THUMB_BYTES
 from .progress import Progress
 from .tar import TarSink, tar_member
 
@@ -42,10 +46,27 @@ def stats_path(out: Path, name: str) -> Path:
     return out / f"{name}_stats.json"
 
 
+def signatures_name(name: str) -> str:
+    """Beside each shard: its kept samples' data_prep/near.py signatures and keys, in the shard's order
+    (an .npz: ``hash`` [n] uint64, ``thumb`` [n, THUMB_BYTES] uint8, ``key`` [n] str), so `vitp decontam`
+    checks the shard against new test sets without reading it."""
+    return f"{name}_sig.npz"
+
+
+def signatures_bytes(rows: list[tuple[str, int, np.ndarray]]) -> bytes:
+    """[(key, hash, thumb)] -> the .npz's bytes."""
+    buf = io.BytesIO()
+    np.savez(buf, hash=np.array([h for _, h, _ in rows], np.uint64),
+             thumb=np.stack([t for _, _, t in rows]) if rows else np.zeros((0, THUMB_BYTES), np.uint8),
+             key=np.array([k for k, _, _ in rows], dtype=str))
+    return buf.getvalue()
+
+
 def shard_done(out: Path, name: str, plan_id: str) -> bool:
-    """Complete = tar present and stats (written last) present and from the same plan."""
+    """Complete = tar, signatures and stats (written last) present, the stats from the same plan (a
+    shard of a prep from before signatures were stored is made again, with them)."""
     sp = stats_path(out, name)
-    if not (sp.exists() and (out / f"{name}.tar").exists()):
+    if not (sp.exists() and (out / f"{name}.tar").exists() and (out / signatures_name(name)).exists()):
         return False
     try:
         return json.loads(sp.read_text(encoding="utf-8")).get("plan_id") == plan_id
@@ -70,15 +91,16 @@ def _work(task: tuple) -> list[tuple]:
     for i, (key, rel, cls, label, *labels) in enumerate(samples, start):
         faults.hit("prep_sample", i, shard)
         try:
-            s = process_image(os.path.join(root, rel), opts, signature=_NEAR is not None)
+            s = process_image(os.path.join(root, rel), opts, signature=True)
         except Reject as r:
             out.append(("reject", rel, r.reason, r.detail))
             continue
-        match = _NEAR[0].nearest(s.phash) if _NEAR is not None else None
+        match = _NEAR[0].nearest(*s.signature) if _NEAR is not None else None
         if match is not None:
             out.append(("reject", rel, NEAR_DUPLICATE,
-                        f"near-duplicate of a test image: perceptual hashes {match.distance} bits apart",
-                        {"of": _NEAR[1][match.test], "distance": match.distance}))
+                        f"near-duplicate of a test image: perceptual hashes {match.distance} bits apart, "
+                        f"thumbnails agree by {match.margin}",
+                        {"of": _NEAR[1][match.test], "distance": match.distance, "margin": match.margin}))
             continue
         meta = {
             "key": key, "source": rel, "label": label, "cls": cls, "format": s.ext,
@@ -90,7 +112,8 @@ def _work(task: tuple) -> list[tuple]:
         # members of a sample sorted by extension: cls < jpg < json < png < webp. Serialised here, in
         # parallel: the main process (one core's worth shared with the workers) only appends bytes.
         members = {"cls": str(cls).encode(), s.ext: s.data, "json": json.dumps(meta, sort_keys=True).encode()}
-        out.append(("ok", b"".join(tar_member(f"{key}.{e}", members[e]) for e in sorted(members))))
+        out.append(("ok", b"".join(tar_member(f"{key}.{e}", members[e]) for e in sorted(members)),
+                    (key, *s.signature)))
     return out
 
 
@@ -102,6 +125,7 @@ class _ShardWriter:
         self.tar = TarSink(self.tmp)
         self.count, self.rejects, self.t0 = 0, [], time.perf_counter()
         self.offsets: list[int] = []  # byte offset of each sample's first member: a reader seeks there to resume
+        self.signatures: list[tuple[str, int, np.ndarray]] = []
 
     def add(self, result: tuple) -> None:
         if result[0] == "reject":
@@ -110,6 +134,7 @@ class _ShardWriter:
             return
         self.offsets.append(self.tar.pos)
         self.tar.add_members(result[1])
+        self.signatures.append(result[2])
         self.count += 1
 
     def finish(self) -> dict:
@@ -125,6 +150,7 @@ class _ShardWriter:
             "rejects": dict(sorted(by_reason.items())), "rejected": self.rejects,
             "seconds": round(time.perf_counter() - self.t0, 3), "offsets": self.offsets,
         }
+        atomic_write(self.out / signatures_name(self.name), signatures_bytes(self.signatures), fsync=True)
         atomic_write(stats_path(self.out, self.name), json.dumps(stats, indent=1, sort_keys=True).encode(), fsync=True)
         return stats
 

@@ -6,8 +6,8 @@ a path column, paths relative to it) or a `vitp prep` output (its _info.json; of
 ones, else ``test`` if it has one, else all) at any address store.py reads. A test image's name in
 rejects.jsonl is ``<address without secrets>/<path or key>``.
 
-Under OUT: ``_near.npz`` (the index: hashes and their owners) and ``_near.json`` (the names, in the
-index's order, and the ``decontaminated`` block of _info.json without its counts).
+Under OUT: ``_near.npz`` (the index: hashes, their owners, the second signatures) and ``_near.json``
+(the names, in the index's order, and the ``decontaminated`` block of _info.json without its counts).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from PIL import Image, ImageOps
 
 from . import store
 from .images import to_rgb_array
-from .near import SIGNATURE, SIGNATURE_VERSION, NearIndex, reference_hashes
+from .near import SIGNATURE, SIGNATURE_VERSION, NearIndex, reference
 from .schema import IMAGE_EXTS, INFO_FILE, DatasetInfo
 from .tar import iter_tar
 
@@ -32,13 +32,13 @@ INDEX_FILE, NAMES_FILE = "_near.npz", "_near.json"
 MANIFEST_EXTS = (".csv", ".jsonl", ".parquet")
 
 
-def image_hashes(data: bytes) -> tuple[int, ...]:
-    """A test file's bytes -> reference_hashes() of the picture as shown (EXIF orientation applied; grey,
+def image_signatures(data: bytes) -> tuple[tuple[int, ...], np.ndarray]:
+    """A test file's bytes -> reference() of the picture as shown (EXIF orientation applied; grey,
     palette, CMYK and 16-bit images as RGB)."""
     im = Image.open(io.BytesIO(data))
     im.draft("RGB", (256, 256))  # a JPEG decoded at 1/2..1/8 scale: the hash looks at 32x32
     im = ImageOps.exif_transpose(im)
-    return reference_hashes(to_rgb_array(im) if im.mode in ("I;16", "I", "F") else np.asarray(im.convert("RGB")))
+    return reference(to_rgb_array(im) if im.mode in ("I;16", "I", "F") else np.asarray(im.convert("RGB")))
 
 
 def _is_image(name: str) -> bool:
@@ -113,24 +113,25 @@ def check_test_sets(addresses: list[str]) -> None:
 
 def build_index(addresses: list[str], splits: list[str] | None, threshold: int) -> tuple[NearIndex, list[str], dict]:
     """Read and hash every test image: (the index, each image's name, the decontaminated block)."""
-    hashes, names, against = [], [], []
+    hashes, thumbs, names, against = [], [], [], []
     for address in addresses:
         shown, digest, n = store.public(address), hashlib.sha256(), 0
         for rel, data in _images(address, splits):
             try:
-                hs = image_hashes(data)
+                hs, ts = image_signatures(data)
             except Exception as e:  # a test image that does not decode cannot be matched: say so, early
                 raise ValueError(f"--exclude-near {shown}/{rel}: not a readable image ({e})") from None
             hashes.append(hs)
+            thumbs.append(ts)
             names.append(f"{shown}/{rel}")
-            digest.update(f"{rel}\t{' '.join(map(str, hs))}\n".encode())
+            digest.update(f"{rel}\t{' '.join(map(str, hs))}\t{ts.tobytes().hex()}\n".encode())
             n += 1
         if n == 0:
             raise ValueError(f"--exclude-near {shown}: no test images found")
         against.append({"address": shown, "images": n, "digest": digest.hexdigest()[:16]})
     block = {"signature": SIGNATURE, "version": SIGNATURE_VERSION, "threshold": threshold,
              "splits": splits, "against": against}
-    return NearIndex.build(hashes, threshold), names, block
+    return NearIndex.build(hashes, threshold, np.stack(thumbs)), names, block
 
 
 def write_index(out, index: NearIndex, names: list[str], block: dict) -> None:

@@ -2,7 +2,8 @@
 as for a local OUT, and each one is uploaded when it is complete.
 
 Per shard, in this order: ``<name>.tar`` (one PUT, or above two parts a multipart upload, which the
-store publishes only when it completes), then ``<name>_stats.json``, which records the tar's size and
+store publishes only when it completes), then ``<name>_sig.npz`` (its images' signatures), then
+``<name>_stats.json``, which records the tar's size and
 sha256 and whose presence marks the shard complete. Nothing is ever written under a final name before
 it is whole; a run killed mid-upload leaves the previous object (or none). A rerun lists OUT once and
 keeps each shard whose stats are from this plan and whose tar has the recorded size; any other shard
@@ -27,7 +28,7 @@ from pipeline.stops import Classified
 
 from . import store
 from .images import ImageOptions
-from .shards import shard_done, stats_path, write_shards
+from .shards import shard_done, signatures_name, stats_path, write_shards
 
 UPLOAD_DEPTH = 2
 
@@ -56,7 +57,8 @@ def complete_shards(out: str | os.PathLike, shards: list[dict], plan_id: str, *,
                 return {}
         return done
     sizes = store.list_sizes(out)  # one listing, not a request per shard
-    present = [s["name"] for s in shards if f"{s['name']}.tar" in sizes and f"{s['name']}_stats.json" in sizes]
+    present = [s["name"] for s in shards if f"{s['name']}.tar" in sizes and f"{s['name']}_stats.json" in sizes
+               and signatures_name(s["name"]) in sizes]
     if all_or_none and len(present) < len(shards):
         return {}
     stats = store.read_files(out, [f"{n}_stats.json" for n in present])
@@ -113,7 +115,9 @@ class _Uploader:
 
     def _upload(self, name: str) -> None:
         tar, stats = self.folder / f"{name}.tar", self.folder / f"{name}_stats.json"
+        sig = self.folder / signatures_name(name)
         for local, upload in ((tar, lambda a: store.put_file(tar, a, self.part_size)),
+                              (sig, lambda a: store.write_bytes(a, sig.read_bytes())),
                               (stats, lambda a: store.write_bytes(a, stats.read_bytes()))):  # stats last: the marker
             address = store.join(self.out, local.name)
             try:
@@ -122,6 +126,7 @@ class _Uploader:
                 raise UploadFailed(f"{store.public(address)}: upload failed: {store.reason(e)}; rerun the same "
                                    "command to resume (complete shards are kept)") from None
         tar.unlink()
+        sig.unlink()
         stats.unlink()
 
     def __enter__(self) -> _Uploader:

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
              "vitp prep ~/imagenet/train shards/ --val-fraction 0.01 --resize-shorter 256 --workers 8"),
     "verify": ("data_prep.cli:verify_main", "check every shard of a prep output",
                "vitp verify shards/"),
+    "decontam": ("data_prep.cli:decontam_main", "check a prep output against new test sets; list what to leave out",
+                 "vitp decontam shards/ --exclude-near data/imagenet_val --exclude-near s3://bench/cifar10"),
     "pretrain": ("launch.stages:pretrain_main", "pre-train a ViT (DeepSpeed ZeRO)",
                  "vitp pretrain --config configs/pretrain/tiny_cpu.yaml data.path=shards/ train.steps=50"),
     "transfer": ("launch.stages:transfer_main", "fine-tune at higher resolution",

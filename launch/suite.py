@@ -244,7 +244,9 @@ def superseded(suite: Suite, dataset: str, current: list[Cell]) -> list[tuple[fl
 
 def rows(suite: Suite) -> list[dict]:
     """The table's rows, read from the run dirs (launch/suite_table.py)."""
-    out = []
+    from .suite_decontam import marks
+
+    out, checked = [], marks(suite.source, suite.spec.datasets)
     for d in suite.spec.datasets:
         best = selected_lr(suite, d.name)
         base = {"dataset": d.name, "group": d.group}
@@ -267,7 +269,7 @@ def rows(suite: Suite) -> list[dict]:
             s = cell_state(p, d.test_split)
             out.append({**base, "phase": "final", "lr": lr, "seed": seed, "test_top1": s.score, "selected": False,
                         "status": "superseded", "error": f"lr {lr_text(best)} chosen since", "run_dir": str(p)})
-    return out
+    return [{**r, "decontaminated": checked[r["dataset"]]} for r in out]
 
 
 def write_all(suite: Suite) -> list[dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from .suite_decontam import marks
 from .suite_identity import digest
 from .suite_table import STATE_FILE, draw, finals, group_means, groups, mean, read_results, score, std
 
@@ -51,7 +52,10 @@ def open_parent(suite):
             parents[key] = {"mlflow_run_id": sink.run_id, "mlflow_run_key": sink.run_key, "init.from": suite.source,
                             "source_digest": suite.source_digest()}
         lineage = source_lineage(suite.source)
+        checked = marks(suite.source, suite.spec.datasets)
         sink.set_tags({"vitp.checkpoint": suite.source, "vitp.checkpoint_digest": suite.source_digest(),
+                       **({"vitp.decontaminated": ",".join(f"{k}={v}" for k, v in checked.items())}
+                          if any(checked.values()) else {}),
                        **({"vitp.pretrain_run": lineage["parent_run_id"]} if "parent_run_id" in lineage else {})})
     suite.out.mkdir(parents=True, exist_ok=True)
     (suite.out / STATE_FILE).write_text(json.dumps(state, indent=1))

@@ -21,7 +21,7 @@ from pathlib import Path
 STATE_FILE = "suite_state.json"  # the suite's own: its checkpoint's name, its MLflow parent run per identity
 CELL_FILE = "suite_cell.json"  # the suite's record of a cell that failed: {"status", "error"}
 COLUMNS = ["dataset", "group", "phase", "lr", "seed", "minival_top1", "test_top1", "selected", "status", "error",
-           "run_dir"]
+           "run_dir", "decontaminated"]  # decontaminated (launch/suite_decontam.py): yes, no, or "" (not known)
 # results.json keys that are not metrics of an evaluator (the extra columns of a final)
 _NOT_EXTRA = {"step", "num_classes", "img_size", "parent_step"}
 
@@ -85,7 +85,9 @@ def write_tables(out: Path, rows: list[dict], label: str | None = None) -> tuple
         for r in rows:
             w.writerow([_cell_text(r.get(c)) for c in COLUMNS] + [_cell_text(r.get("extra", {}).get(k)) for k in extra])
     md = out / "suite.md"
-    md.write_text(markdown([(label or out.name, finals(rows))], groups(rows)))
+    checked = {r["dataset"]: r.get("decontaminated") or "" for r in rows}
+    md.write_text(markdown([(label or out.name, finals(rows))], groups(rows),
+                           checked if any(checked.values()) else None))
     return out / "suite.csv", md
 
 
@@ -146,9 +148,12 @@ def group_means(scores: dict, group_of: dict[str, str]) -> dict[str, float | Non
     return {g: mean({d: v for d, v in scores.items() if group_of.get(d) == g}) for g in names}
 
 
-def markdown(columns: list[tuple[str, dict]], group_of: dict[str, str] | None = None) -> str:
+def markdown(columns: list[tuple[str, dict]], group_of: dict[str, str] | None = None,
+             checked: dict[str, str] | None = None) -> str:
     """Table 2's shape: one row per dataset, one column per checkpoint, scores in % (mean ± std over
-    repeats), then each group's mean and the mean over all datasets."""
+    repeats), then each group's mean and the mean over all datasets. ``checked``: a last column, whether
+    each test split was among the sets the pre-training data was checked against
+    (launch/suite_decontam.py)."""
     group_of = group_of or {}
     names = list(dict.fromkeys(d for _, col in columns for d in col))
 
@@ -156,13 +161,18 @@ def markdown(columns: list[tuple[str, dict]], group_of: dict[str, str] | None = 
         m, s = score(v), std(v)
         return "-" if m is None else f"{100 * m:.2f}" + (f" ± {100 * s:.2f}" if s is not None else "")
 
-    lines = ["| dataset | " + " | ".join(n for n, _ in columns) + " |", "|---|" + "---:|" * len(columns)]
+    def tail(d) -> str:
+        return "" if checked is None else f" {checked.get(d, '') if d else ''} |"
+
+    lines = ["| dataset | " + " | ".join(n for n, _ in columns) + " |" + (" decontaminated |" if checked else ""),
+             "|---|" + "---:|" * len(columns) + ("---|" if checked else "")]
     for d in names:
-        lines.append(f"| {d} | " + " | ".join(fmt(col.get(d)) for _, col in columns) + " |")
+        lines.append(f"| {d} | " + " | ".join(fmt(col.get(d)) for _, col in columns) + " |" + tail(d))
     per_col = [group_means({d: col.get(d) for d in names}, group_of) for _, col in columns]
     for g in dict.fromkeys(g for gm in per_col for g in gm):
-        lines.append(f"| *{g}* | " + " | ".join(fmt(gm.get(g)) for gm in per_col) + " |")
-    lines.append("| **mean** | " + " | ".join(fmt(mean({d: col.get(d) for d in names})) for _, col in columns) + " |")
+        lines.append(f"| *{g}* | " + " | ".join(fmt(gm.get(g)) for gm in per_col) + " |" + tail(None))
+    lines.append("| **mean** | " + " | ".join(fmt(mean({d: col.get(d) for d in names})) for _, col in columns)
+                 + " |" + tail(None))
     return "\n".join(lines) + "\n"
 
 

@@ -29,8 +29,8 @@ from pipeline.config.stages import StageConfig
 DEFAULT_MAX_SAMPLES_PER_SHARD = 5000  # the cap when no --shard-size is given
 DEFAULT_MAX_PIXELS = 89_478_485  # PIL's decompression-bomb limit
 DEFAULT_PART_SIZE = 64 * 2**20
-# Hamming distance between 64-bit perceptual hashes (bench/decontam.py measures it on real photographs:
-# the README's table): every transformed copy found, no unrelated photo matched
+# Hamming distance between 64-bit perceptual hashes within which a pair is a candidate, then checked by
+# thumbnails (data_prep/near.py; bench/decontam.py measures both on real photographs: the README's tables)
 DEFAULT_NEAR_THRESHOLD = 12
 HASH_BITS = 64
 MAX_NEAR_THRESHOLD = 24  # two random 64-bit hashes lie 32 +- 4 bits apart: beyond this, chance matches

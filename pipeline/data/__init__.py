@@ -104,6 +104,8 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
                    "num_shards": len(sp.urls)}
         if getattr(info, "decontaminated", None):  # what prep excluded, against which test sets
             profile["decontaminated"] = info.decontaminated
+        if getattr(info, "excluded", None):  # what `vitp decontam` excluded later, against which test sets
+            profile["excluded"] = info.excluded
         out.append({"name": f"{base}/{split}", "digest": info.digest, "source_type": source[0],
                     "source": source[1], "schema": schema, "profile": json.dumps(profile), "context": context})
     return out

@@ -105,8 +105,9 @@ def select(keys: list[str], labels, num_classes: int, *, fraction: float = 0.0, 
 def _labels(sp: SplitInfo, num_classes: int, policy: ReadPolicy) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """(keys, primary labels) of every position of ``sp``, read from the ``.cls`` members only."""
     keys, labels = [], []
-    for url in sp.urls:
-        for key, label in shard_labels(url, num_classes, policy):
+    for s, url in enumerate(sp.urls):
+        got = shard_labels(url, num_classes, policy)
+        for key, label in got if sp.keep is None else [got[i] for i in sp.keep[s] if i < len(got)]:
             keys.append(key)
             labels.append(label)
     if len(keys) != sp.num_samples:
@@ -134,11 +135,14 @@ def _selected(keys, labels, num_classes, fraction, seed, train_limit, minival_li
 
 def restricted(sp: SplitInfo, positions) -> SplitInfo:
     """``sp`` cut to the sorted ``positions``: the same shards, each holding only its kept samples
-    (``keep``: per shard, the kept indices within it; ``lengths``: their counts)."""
+    (``keep``: per shard, the kept indices within it; ``lengths``: their counts). A split cut already
+    is cut further (its positions are of its kept samples)."""
     cum = np.cumsum([0, *sp.lengths])
     pos = np.asarray(positions, dtype=np.int64)
     shard = np.searchsorted(cum, pos, side="right") - 1
     keep = tuple(tuple((pos[shard == s] - cum[s]).tolist()) for s in range(len(sp.urls)))
+    if sp.keep is not None:  # already cut (`vitp decontam`'s exclusions): positions count its kept samples
+        keep = tuple(tuple(sp.keep[s][j] for j in k) for s, k in enumerate(keep))
     return dataclasses.replace(sp, num_samples=len(pos), lengths=tuple(len(k) for k in keep), keep=keep)
 
 

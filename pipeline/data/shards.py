@@ -17,7 +17,9 @@ description is parsed by ``data_prep.schema.DatasetInfo`` (the one ``_info.json`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import json
 import os
 import warnings
@@ -64,6 +66,7 @@ class Info:
     digest: str = ""  # names this exact content: prep's plan id, else a hash of the description
     multi_label: bool = False  # labels are sets of classes (json "labels"); .cls is the primary one
     decontaminated: dict | None = None  # `vitp prep --exclude-near`: against which test sets, how many dropped
+    excluded: dict | None = None  # `vitp decontam`'s OUT/_exclude.json, its samples left out (without the list)
 
     def split(self, name: str) -> SplitInfo:
         """The named split; an error naming the dataset if it is missing or empty."""
@@ -144,8 +147,39 @@ def read_info(path: str | os.PathLike) -> Info:
         raise DataError(f"{where}: no splits")
     if num_classes <= 0:
         raise DataError(f"{where}: num_classes is {num_classes}; need >= 1")
-    return Info(root, num_classes, classes, splits, raw.digest, multi_label=raw.multi_label,
+    info = Info(root, num_classes, classes, splits, raw.digest, multi_label=raw.multi_label,
                 decontaminated=raw.decontaminated)
+    return _without_excluded(info)
+
+
+def _without_excluded(info: Info) -> Info:
+    """The dataset less the samples of its ``_exclude.json`` (`vitp decontam`), if it has one: each split
+    cut with ``keep`` (positions count kept samples, so a resumed run reads on exactly where it stopped)
+    and the digest naming the cut, so a run begun before the list was written does not resume into it."""
+    from data_prep.schema import read_exclusions
+
+    try:
+        doc = read_exclusions(info.path)
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    except OSError as e:
+        raise DataError(f"{store.public(info.path)}/_exclude.json: unreadable ({store.reason(e)})") from None
+    if doc is None:
+        return info
+    gone: dict[tuple[str, str], set[int]] = {}
+    for split, shard, i in doc["pairs"]:  # shard: as _info.json names it, so joined as read_info joins it
+        gone.setdefault((split, store.join(info.path, shard)), set()).add(i)
+    splits = dict(info.splits)
+    for name, sp in info.splits.items():
+        if not any((name, u) in gone for u in sp.urls):
+            continue
+        keep = tuple(tuple(i for i in range(n) if i not in gone.get((name, u), ()))
+                     for u, n in zip(sp.urls, sp.lengths))
+        splits[name] = dataclasses.replace(sp, num_samples=sum(map(len, keep)), lengths=tuple(map(len, keep)),
+                                           keep=keep)
+    summary = {k: v for k, v in doc.items() if k not in ("samples", "pairs")}
+    cut = hashlib.sha256(json.dumps(sorted(doc["pairs"])).encode()).hexdigest()[:16]
+    return dataclasses.replace(info, splits=splits, digest=f"{info.digest}-x{cut}", excluded=summary)
 
 
 def _count_samples(url: str) -> int:

@@ -66,9 +66,9 @@ def test_rejects_and_info_name_each_near_duplicate(sets, tmp_path):
     assert china["reason"] == "near_duplicate" and "bits apart" in china["detail"]
     info = json.loads((out / "_info.json").read_text())
     block = info["decontaminated"]
-    assert block["signature"] == "phash-dct-64" and block["version"] == 1 and block["threshold"] == 12
-    assert [(a["address"], a["images"], a["rejected"]) for a in block["against"]] == [
-        (str(sets["china"]), 1, 1), (str(sets["flower"]), 1, 1)]
+    assert block["signature"] == "phash-dct-64+thumbs-448" and block["version"] == 2 and block["threshold"] == 12
+    assert [(a["address"], a["images"], a["rejected"], a["duplicated"]) for a in block["against"]] == [
+        (str(sets["china"]), 1, 1, 1), (str(sets["flower"]), 1, 1, 1)]
     assert block["rejected"] == 2 and all(len(a["digest"]) == 16 for a in block["against"])
     # without the exclusion every image is written
     assert prep(sets["train"], tmp_path / "plain", **KW)["samples_written"] == 10
@@ -111,7 +111,7 @@ def test_prep_outputs_and_manifests_as_test_sets(sets, tmp_path):
                                                             f"{imgs}/labels.csv/val/val.jpg"}
 
 
-def _vitp(*args) -> subprocess.CompletedProcess:
+def run_vitp(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "launch.cli", *map(str, args)], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
 
@@ -126,7 +126,7 @@ def test_bad_test_sets_are_one_line_before_any_work(sets, tmp_path):
         (["--exclude-near-splits", "test"], "error: --exclude-near-splits: given without --exclude-near"),
     ]
     for args, line in cases:
-        r = _vitp("prep", sets["train"], out, "--no-progress", *args)
+        r = run_vitp("prep", sets["train"], out, "--no-progress", *args)
         assert (r.returncode, r.stderr.strip()) == (2, line), r.stderr
         assert not out.exists()
 
@@ -174,3 +174,13 @@ def test_contact_sheet_and_the_dataset_profile(sets, tmp_path):
     prep(sets["train"], tmp_path / "plain", **KW)
     assert not (tmp_path / "plain" / "near_duplicates.png").exists()
     assert "decontaminated" not in json.loads(dataset_inputs(str(tmp_path / "plain"), {"train": "x"})[0]["profile"])
+
+
+def test_distinct_test_images_with_a_duplicate_are_counted_apart(sets, tmp_path):
+    """Two training copies of one test image: two training images rejected, one test image duplicated
+    (the count BiT reports per test set)."""
+    china, _ = _photos()
+    ImageOps.mirror(china).save(sets["train"] / "c1" / "china_again.png")
+    s = prep(sets["train"], tmp_path / "out", exclude_near=[str(sets["china"])], **KW)
+    (block,) = s["decontaminated"]["against"]
+    assert (block["rejected"], block["duplicated"], s["decontaminated"]["rejected"]) == (2, 1, 2)

@@ -19,6 +19,7 @@ TINY_FT = str(ROOT / "configs/transfer/tiny_cpu.yaml")
 BAD = {
     "prep": (["missing-images", "out"], "error: missing-images: no such directory or manifest"),
     "verify": (["out", "--workers", "0"], "error: --workers: must be >= 1; got 0"),
+    "decontam": (["out", "--exclude-near", "missing"], "error: out: no _info.json (not a finished `vitp prep` output)"),
     "pretrain": (["--config", TINY, "optim.lrr=1"], "error: optim.lrr: unknown key (did you mean 'optim.lr'?)"),
     "transfer": (["--config", TINY_FT, "train.steps=0"], "error: train.steps: must be >= 1; got 0"),
     "eval": (["--checkpoint", "run", "--data", "missing"], "error: --data missing: no such dataset folder"),

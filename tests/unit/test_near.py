@@ -1,5 +1,6 @@
-"""data_prep/near.py: the perceptual hash finds transformed copies of real photographs (scikit-learn's
-sample images) and not unrelated ones; the index answers as a brute-force scan does."""
+"""data_prep/near.py: the perceptual hash and the second signature find transformed copies of real
+photographs (scikit-learn's sample images; crops of Debian's wallpapers) and not unrelated ones; the
+index answers as a brute-force scan does."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image, ImageEnhance, ImageOps
 
-from data_prep.near import NearIndex, distance, phash, reference_hashes
-from data_prep.testsets import image_hashes
+from bench.photos import load, photo_files, textured_crops
+from data_prep.near import NearIndex, distance, margin, phash, reference, reference_hashes, signature
+from data_prep.testsets import image_signatures
 from pipeline.config.prep import DEFAULT_NEAR_THRESHOLD as D
 
 
@@ -46,10 +48,11 @@ COPIES = {
 
 @pytest.mark.parametrize("name", COPIES)
 def test_each_transform_is_found_and_the_other_photo_is_not(photos, name):
-    index = NearIndex.build([reference_hashes(np.asarray(im)) for im in photos], D)
+    refs = [reference(np.asarray(im)) for im in photos]
+    index = NearIndex.build([r[0] for r in refs], D, np.stack([r[1] for r in refs]))
     for i, im in enumerate(photos):
-        m = index.nearest(phash(np.asarray(COPIES[name](im))))
-        assert m is not None and m.test == i and m.distance <= D, (name, i, m)
+        m = index.nearest(*signature(np.asarray(COPIES[name](im))))
+        assert m is not None and m.test == i and m.distance <= D and m.margin >= 0, (name, i, m)
 
 
 def test_unrelated_photos_are_far_apart(photos):
@@ -83,10 +86,10 @@ def test_exif_rotated_grey_and_cmyk_test_images(photos):
              "cmyk": _encoded(im.convert("CMYK"), "JPEG", quality=95)}
     train = phash(np.asarray(im))
     for name, data in files.items():
-        hs = image_hashes(data)
+        hs, _ = image_signatures(data)
         assert min(distance(train, h) for h in hs) <= 4, name
     # the same file without its orientation tag would not match: the test is of the orientation
-    plain = image_hashes(_encoded(im.transpose(Image.Transpose.ROTATE_90), "JPEG", quality=95))
+    plain, _ = image_signatures(_encoded(im.transpose(Image.Transpose.ROTATE_90), "JPEG", quality=95))
     assert min(distance(train, h) for h in plain) > D
 
 
@@ -106,3 +109,47 @@ def test_index_lookups_equal_a_brute_force_scan(threshold):
     assert found == [index.nearest_brute(q) for q in queries]
     for k, m in zip(flips, found[300:]):  # every copy within the threshold found
         assert k > threshold or (m is not None and m.distance <= k)
+
+
+@pytest.fixture(scope="module")
+def wallpaper_crops() -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Textured crops of Debian's mate-backgrounds photos: (test crops of every other photo, clean crops
+    of the rest)."""
+    files, why = photo_files(("mate-backgrounds",))
+    if not files:
+        pytest.skip(why)
+    rng = np.random.default_rng(0)
+    test, clean = [], []
+    for k, (_, path) in enumerate(files):
+        (test if k % 2 else clean).extend(textured_crops(load(path, 768), 150, rng, (96, 256)))
+    return test, clean
+
+
+def test_chance_hash_matches_of_real_photos_fail_the_second_signature(wallpaper_crops):
+    """Clean crops of other photos whose hashes lie within D of a test crop's (there are dozens) are not
+    near-duplicates once the thumbnails are compared; transformed copies of test crops still are."""
+    test, clean = wallpaper_crops
+    refs = [reference(a) for a in test]
+    hashes, thumbs = np.array([r[0] for r in refs], np.uint64), np.stack([r[1] for r in refs])
+    chance, rejected = 0, 0
+    index = NearIndex.build([r[0] for r in refs], D, thumbs)
+    for a in clean:
+        h, t = signature(a)
+        near = np.flatnonzero(np.bitwise_count(hashes ^ np.uint64(h)).min(axis=1) <= D)
+        chance += len(near)
+        rejected += index.nearest(h, t) is not None
+        assert (margin(t, thumbs[near]) < 0).all()
+    assert chance >= 10 and rejected == 0, (chance, rejected)
+    found = sum(index.nearest(*signature(np.asarray(COPIES[name](Image.fromarray(a))))) is not None
+                for a in test[:: max(1, len(test) // 40)] for name in COPIES)
+    assert found >= 0.95 * len(COPIES) * len(test[:: max(1, len(test) // 40)])
+
+
+def test_the_batched_blur_is_opencvs():
+    """margin() blurs thousands of detail thumbnails in one product; it is cv2.GaussianBlur's answer."""
+    import cv2
+
+    from data_prep.near import BLUR_MATRIX, BLUR_SIGMA
+
+    g = np.random.default_rng(0).integers(0, 256, (16, 16)).astype(np.float32)
+    assert np.abs(BLUR_MATRIX @ g @ BLUR_MATRIX.T - cv2.GaussianBlur(g, (0, 0), BLUR_SIGMA)).max() < 1e-3

@@ -127,7 +127,7 @@ def test_rows_and_tables_from_run_dirs(made):
     csv_path, md = write_tables(s.out.parent, table)
     lines = csv_path.read_text().splitlines()
     assert lines[0] == ("dataset,group,phase,lr,seed,minival_top1,test_top1,selected,status,error,run_dir,"
-                        "fewshot/a/5shot")
+                        "decontaminated,fewshot/a/5shot")
     assert lines[3].startswith("a,,final,0.03,0,0.6,0.55,yes,completed,,") and lines[3].endswith(",0.3")
     assert lines[4].startswith("b,,grid,0.01,,,,,failed,data.path: boom,")
     assert md.read_text().splitlines()[-3:] == ["| a | 55.00 |", "| b | - |", "| **mean** | - |"]

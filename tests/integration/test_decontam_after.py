@@ -1,0 +1,107 @@
+"""`vitp decontam OUT --exclude-near TEST`: a prep output made without the test sets is checked after the
+fact from the signatures prep stored beside each shard; OUT/_exclude.json lists the near-duplicates and
+every loader leaves exactly those out; the same sets again change nothing; bad input is one line and
+writes nothing; on an S3 output too."""
+
+from __future__ import annotations
+
+import json
+
+from data_prep import prep, store
+from data_prep.schema import EXCLUDE_FILE
+from pipeline.data import dataset_inputs
+from pipeline.data.shards import SkipCounts, read_info, read_positions
+from tests.integration.test_prep_decontam import (
+    KW,
+    run_vitp,
+    sets,  # noqa: F401 (the fixture)
+)
+
+
+def _sources(out: str, info=None) -> list[str]:
+    """The source path of every sample the loader reads from split train, in order."""
+    sp = (info or read_info(out)).splits["train"]
+    return [json.loads(store.read_bytes(store.join(out, "_keys.json")))[key]
+            for key, _, _ in read_positions(sp, range(sp.num_samples), SkipCounts(), num_classes=2)]
+
+
+def _key_map(out) -> dict[str, str]:
+    """{sample key: its source path} from the json members, written beside OUT for _sources."""
+    from data_prep.tar import iter_tar
+
+    info = read_info(out)
+    m = {}
+    for url in info.splits["train"].urls:
+        with store.open_read(url) as f:
+            for name, _, read in iter_tar(f, seekable=False):
+                if name.endswith(".json"):
+                    meta = json.loads(read())
+                    m[meta["key"]] = meta["source"]
+    return m
+
+
+def test_decontam_lists_the_copies_and_the_loader_skips_exactly_them(sets, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    prep(sets["train"], out, **KW)
+    (out / "_keys.json").write_text(json.dumps(_key_map(out)))
+    assert len(_sources(str(out))) == 10
+    r = run_vitp("decontam", out, "--exclude-near", sets["china"], "--exclude-near", sets["flower"])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("vitp decontam: 2 samples excluded ("), r.stdout
+    doc = json.loads((out / EXCLUDE_FILE).read_text())
+    assert doc["version"] == 1 and doc["excluded"] == 2 and doc["threshold"] == 12
+    assert [(a["address"], a["images"], a["rejected"], a["duplicated"]) for a in doc["against"]] == [
+        (str(sets["china"]), 1, 1, 1), (str(sets["flower"]), 1, 1, 1)]
+    keys = json.loads((out / "_keys.json").read_text())
+    assert sorted(keys[s["key"]] for s in doc["samples"]) == ["c0/china_copy.jpg", "c1/flower_copy.png"]
+    # the loader: the other 8, in their order; the digest names the cut; the profile shows it
+    info = read_info(out)
+    left = _sources(str(out), info)
+    assert len(left) == 8 and not {"c0/china_copy.jpg", "c1/flower_copy.png"} & set(left)
+    assert info.digest.startswith(json.loads((out / "_info.json").read_text())["plan_id"] + "-x")
+    profile = json.loads(dataset_inputs(str(out), {"train": "training"})[0]["profile"])
+    assert profile["num_samples"] == 8 and profile["excluded"]["excluded"] == 2
+    # the same sets again: the same bytes
+    before = (out / EXCLUDE_FILE).read_bytes()
+    assert run_vitp("decontam", out, "--exclude-near", sets["china"], "--exclude-near", sets["flower"]).returncode == 0
+    assert (out / EXCLUDE_FILE).read_bytes() == before
+
+
+def test_bad_input_is_one_line_and_writes_nothing(sets, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    prep(sets["train"], out, **KW)
+    cases = [
+        (["--exclude-near", tmp_path / "nope"], f"error: --exclude-near {tmp_path / 'nope'}: not found"),
+        (["--exclude-near", sets["china"], "--near-threshold", "25"],
+         "error: --near-threshold: must be in 0..24; got 25"),
+    ]
+    for args, line in cases:
+        r = run_vitp("decontam", out, *args)
+        assert (r.returncode, r.stderr.strip()) == (2, line), r.stderr
+        assert not (out / EXCLUDE_FILE).exists()
+    r = run_vitp("decontam", tmp_path / "nothing", "--exclude-near", sets["china"])
+    assert (r.returncode, r.stderr.strip()) == (2, f"error: {tmp_path / 'nothing'}: no _info.json (not a finished "
+                                                   "`vitp prep` output)")
+    first = sorted(out.glob("*_sig.npz"))[0]
+    first.unlink()  # as an output from before prep stored signatures
+    r = run_vitp("decontam", out, "--exclude-near", sets["china"])
+    assert (r.returncode, r.stderr.strip()) == (2, f"error: {first}: not found: this output was prepared before "
+                                                   "prep stored signatures; run the same `vitp prep` again (it "
+                                                   "remakes the shards without them)"), r.stderr
+    assert not (out / EXCLUDE_FILE).exists()
+    # as it says: the rerun remakes that shard alone, and then decontam runs
+    again = prep(sets["train"], out, **KW)
+    assert (again["shards_written"], first.exists()) == (1, True)
+    assert run_vitp("decontam", out, "--exclude-near", sets["china"]).returncode == 0
+
+
+def test_an_s3_output(sets, s3_bucket, tmp_path):  # noqa: F811
+    from data_prep.decontam import decontam
+
+    out = f"{s3_bucket}/ds"
+    prep(sets["train"], out, staging_dir=str(tmp_path / "staging"), **KW)
+    s = decontam(out, [str(sets["china"])], None, 12)
+    assert s["excluded"] == 1 and s["against"][0]["duplicated"] == 1
+    doc = json.loads(store.read_file(out, EXCLUDE_FILE))
+    assert [x["split"] for x in doc["samples"]] == ["train"]
+    assert read_info(out).splits["train"].num_samples == 9

@@ -6,8 +6,12 @@ torch, so data_prep (torch-free) calls it too. Events and their variables (value
 
     event          at            variable                        what happens when it matches
     "step"         step k        VITP_TEST_KILL_AT_STEP=k        SIGKILL before step k runs
+    "save_begin"   step k        VITP_TEST_KILL_BEFORE_WRITE=k   SIGKILL when checkpoint k's write begins (in
+                                                                 the background: training goes on meanwhile)
     "save"         step k        VITP_TEST_KILL_DURING_SAVE=k    SIGKILL after checkpoint k's files are
                                                                  written, before it is published
+    "publish"      step k        VITP_TEST_KILL_AT_PUBLISH=k     SIGKILL (of rank 0, which publishes) after
+                                                                 checkpoint k's manifest, before its rename
     "fewshot"      step k        VITP_TEST_KILL_DURING_FEWSHOT=k SIGKILL inside step k's few-shot evaluator
     "prep_sample"  sample index  VITP_PREP_TEST_KILL_AT=SHARD:K  SIGKILL the prep process handling sample
                    (scope: shard)                                K of SHARD
@@ -49,6 +53,8 @@ from pipeline.files import atomic_write
 
 KILL_AT_STEP = "VITP_TEST_KILL_AT_STEP"
 KILL_DURING_SAVE = "VITP_TEST_KILL_DURING_SAVE"
+KILL_BEFORE_WRITE = "VITP_TEST_KILL_BEFORE_WRITE"
+KILL_AT_PUBLISH = "VITP_TEST_KILL_AT_PUBLISH"
 KILL_DURING_FEWSHOT = "VITP_TEST_KILL_DURING_FEWSHOT"
 KILL_RANK = "VITP_TEST_KILL_RANK"
 PREP_KILL_AT = "VITP_PREP_TEST_KILL_AT"
@@ -61,8 +67,9 @@ PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
 PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
 PAUSE_TIMEOUT_S = "VITP_TEST_PAUSE_TIMEOUT_S"
 
-_KILL = {"step": KILL_AT_STEP, "save": KILL_DURING_SAVE, "fewshot": KILL_DURING_FEWSHOT, "prep_sample": PREP_KILL_AT}
-_RANKED = frozenset({"step", "save", "fewshot"})  # training events: only the chosen rank dies
+_KILL = {"step": KILL_AT_STEP, "save": KILL_DURING_SAVE, "save_begin": KILL_BEFORE_WRITE, "publish": KILL_AT_PUBLISH,
+         "fewshot": KILL_DURING_FEWSHOT, "prep_sample": PREP_KILL_AT}
+_RANKED = frozenset({"step", "save", "save_begin", "publish", "fewshot"})  # training events: only the chosen rank dies
 
 
 def hit(event: str, at: int, scope: str = "") -> None:

@@ -347,6 +347,59 @@ def save_checkpoint(engine, save_dir: str, tag: str, client_state: dict | None =
         engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
 
 
+def snapshot_checkpoint(engine, save_dir: str, tag: str, copy, client_state: dict | None = None) -> list:
+    """Collective: :func:`save_checkpoint` with DeepSpeed's file writes held back. Each file this rank
+    would write is returned as ``(path, state, write)``: its state passed through ``copy`` (a host
+    copy, :class:`pipeline.train.saving.HostCopy`) and ``write(state, path)``, DeepSpeed's own
+    checkpoint engine's save (torch.save in its format), to call later from any thread.
+
+    How: DeepSpeed writes every checkpoint file through ``engine.checkpoint_engine.save`` (deepspeed
+    0.19.8, runtime/engine.py ``_save_checkpoint``, ``_save_zero_checkpoint``); for this call it is a
+    capturing engine that copies instead of writing. Folders are still made (``makedirs``) and rank 0's
+    small recovery script still copied, here. DeepSpeed's decoupled engine (its own background writer)
+    needs its FastCheckpointEngine writer and spawns a process per rank that receives the live state
+    through a queue; a host copy written by a thread is what vitp needs."""
+    _deepspeed()
+    own = engine.checkpoint_engine
+    files: list = []
+    engine.checkpoint_engine = _capturing_engine(own, files, copy)
+    try:
+        save_checkpoint(engine, save_dir, tag, client_state)
+    finally:
+        engine.checkpoint_engine = own
+    return files
+
+
+def _capturing_engine(own, files: list, copy):
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class Capturing(CheckpointEngine):
+        """Records (path, host copy, writer) for each file instead of writing it."""
+
+        def create(self, info):
+            own.create(info)
+
+        def save(self, state_dict, path: str):
+            files.append((path, copy(state_dict), own.save))
+
+        def makedirs(self, path, exist_ok=False):
+            own.makedirs(path, exist_ok=exist_ok)
+
+        def load(self, path: str, map_location=None):
+            return own.load(path, map_location)
+
+        def commit(self, info):
+            return True  # vitp publishes the checkpoint once every rank's files are durable
+
+        def is_data_parallel_writer(self, dp_rank):
+            return own.is_data_parallel_writer(dp_rank)
+
+        def preserves_storage_sharing(self):
+            return False  # the host copy is already one compact tensor per entry
+
+    return Capturing()
+
+
 def load_checkpoint(engine, load_dir: str, tag: str) -> dict:
     """Collective: load model + optimizer from ``load_dir/tag``; returns DeepSpeed's client state.
 

@@ -119,7 +119,7 @@ def _lower_priority() -> None:
     if threading.current_thread() is threading.main_thread() or not hasattr(os, "setpriority"):
         return
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except OSError:
         pass
 

@@ -19,6 +19,15 @@ DeepSpeed's own ``latest`` file is not written: it appears before every rank has
 checkpoint exists iff its ``step-*`` folder exists with a manifest (a rename is atomic), so a job
 killed mid-save leaves only a ``tmp-*`` folder that resume ignores and the next save deletes.
 
+In the background (checkpoint.async, the default): inside the step each rank copies what it would
+write to host memory (DeepSpeed's files captured through its checkpoint-engine slot,
+pipeline/train/engine.py ``snapshot_checkpoint``; our named states), then a thread writes and flushes
+the files; once every rank's thread has (they agree over their own gloo group), rank 0's publishes it
+(the manifest last, then the one rename) and prunes the oldest. A kill at any moment of that leaves
+the previous checkpoint as the resume point. The next save waits for the write only if it is still
+running; a stop (preemption) and the end of a run wait for it, then save inline; a write that failed
+stops the run at a step boundary (:class:`CheckpointWriteFailed`, one line naming the file).
+
 Shared file systems: each rank fsyncs the files it wrote before the barrier, rank 0 fsyncs the
 folders around each rename, so a published checkpoint is on stable storage and not only in some
 client's cache. The manifest records every file's size; resume skips (with a one-line warning) a

@@ -50,7 +50,9 @@ class HostCopy:
             return [self(v) for v in obj]
         if isinstance(obj, tuple):
             items = [self(v) for v in obj]
-            return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+            if all(a is b for a, b in zip(items, obj)):
+                return obj  # nothing to copy inside (torch.Size: DeepSpeed's parameter shapes) keeps its type
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
         return obj
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:

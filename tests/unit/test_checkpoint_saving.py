@@ -21,7 +21,8 @@ Pair = collections.namedtuple("Pair", "a b")
 def test_the_host_copy_is_what_the_step_saved_and_reuses_its_buffers():
     live = torch.arange(6.0)
     view = live[2:5]
-    state = collections.OrderedDict(w=live, again=live, nested={"v": view, "pair": Pair(live, 3), "xs": [view, "s"]})
+    state = collections.OrderedDict(w=live, again=live, nested={"v": view, "pair": Pair(live, 3), "xs": [view, "s"]},
+                                    shape=torch.Size([2, 3]), t=(live, 1))
     copy = HostCopy()
     snap = copy(state)
     copy.done()
@@ -31,6 +32,7 @@ def test_the_host_copy_is_what_the_step_saved_and_reuses_its_buffers():
     assert snap["nested"]["v"].tolist() == [2, 3, 4] and snap["nested"]["v"].untyped_storage().size() == 3 * 4
     assert isinstance(snap["nested"]["pair"], Pair) and snap["nested"]["pair"].b == 3
     assert snap["nested"]["xs"][1] == "s" and copy.bytes == (6 + 3) * 4
+    assert type(snap["shape"]) is torch.Size and snap["t"][0] is snap["w"] and type(snap["t"]) is tuple
     first = [b.data_ptr() for b in copy.buffers]
     again = copy(state)
     copy.done()
@@ -99,3 +101,18 @@ def test_the_plan_shows_what_a_save_holds_training_and_its_share():
                                                                            "checkpoint.every=100"], world_size=1),
                              86e6, step_s=0.5)
     assert inline["blocking_s"] == inline["write_s"] and inline["interval_s"] == 50 and inline["snapshot_bytes"] == 0
+
+
+def test_a_node_without_room_for_the_snapshots_writes_inline_and_says_so(monkeypatch, capsys):
+    from pipeline.train import build
+
+    cfg = load_config("configs/pretrain/vit_b16.yaml", [], world_size=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(build, "available_host_bytes", lambda: 8 * 2**30)
+    assert build.room_for_snapshots(cfg, 86_000_000, 64)  # 8 x 0.19 GB fit in 8 GiB
+    monkeypatch.setattr(build, "available_host_bytes", lambda: 2**30)
+    assert not capsys.readouterr().err
+    assert build.room_for_snapshots(cfg, 86_000_000, 64) is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["warning: checkpoint.async: this node has 1.0 GiB of host memory free, its 8 rank(s) need 1.4 GiB "
+                   "for checkpoint snapshots; checkpoints are written inline (training waits for each save)"]

@@ -61,7 +61,7 @@ from pipeline import faults
 from pipeline.distributed import any_rank, broadcast_from_rank0, new_gloo_group, rank0_print, rank_world, wait_for_rank0
 from pipeline.files import atomic_write, fsync_path
 from pipeline.stops import Classified
-from pipeline.train.saving import Background, HostCopy
+from pipeline.train.saving import Background, HostCopy, free_space, without_crc
 
 MANIFEST = "manifest.json"
 SHARED = "vitp_shared.pt"  # the states equal on every rank, written once by rank 0
@@ -280,22 +280,6 @@ class Resumed:
     manifest: dict  # what rank 0 recorded (run config, model config, MLflow run id, ...)
 
 
-def _free(folder: Path) -> str:
-    try:
-        return f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB"
-    except OSError as e:
-        return f"unknown ({e.strerror})"
-
-
-def _without_crc():
-    """torch.save without the CRC32 of each record: computing it took 4/5 of a save's CPU time here
-    (1.6 s of 2 s for 400 MB) and torch.load never checks it (a flipped byte loads silently: measured
-    with torch 2.14); a checkpoint's files are checked by their sizes in the manifest instead."""
-    from torch.utils.serialization import config
-
-    return config.patch({"save.compute_crc32": False})
-
-
 class CheckpointWriteFailed(Classified, RuntimeError):
     """A checkpoint's files could not be written or published (a full disk, a vanished mount): the
     run stops with the last complete checkpoint as its resume point. A retry may find the space."""
@@ -436,14 +420,14 @@ class CheckpointManager:
         error, where = None, tmp
         try:
             faults.hit("save_begin", step)
-            with _without_crc():
+            with without_crc():
                 for where, state, write in files:
                     write(state, str(where))
             fsync_own_files(tmp, rank)
             faults.hit("save", step)
         except Exception as e:  # a full disk (torch's zip writer may say only "unexpected pos"), a vanished mount
             error = (f"checkpoint {final.name}: writing {where} failed ({type(e).__name__}: {e}; "
-                     f"{_free(tmp)} free there); not published")
+                     f"{free_space(tmp)} free there); not published")
         files.clear()  # the host copies stay in their buffers for the next save, nothing else holds them
         if any_rank(error is not None, self._group):  # every rank's files are on stable storage, or one failed
             if manifest is not None:  # every rank is done with it: its space goes back (a full disk)

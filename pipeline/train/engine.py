@@ -349,33 +349,20 @@ def save_checkpoint(engine, save_dir: str, tag: str, client_state: dict | None =
 
 def snapshot_checkpoint(engine, save_dir: str, tag: str, copy, client_state: dict | None = None) -> list:
     """Collective: :func:`save_checkpoint` with DeepSpeed's file writes held back. Each file this rank
-    would write is returned as ``(path, state, write)``: its state passed through ``copy`` (a host
-    copy, :class:`pipeline.train.saving.HostCopy`) and ``write(state, path)``, DeepSpeed's own
-    checkpoint engine's save (torch.save in its format), to call later from any thread.
+    would write comes back as ``(path, copy(state), write)``, ``write(state, path)`` being DeepSpeed's
+    own engine's save (torch.save in its format), to call later from any thread.
 
-    How: DeepSpeed writes every checkpoint file through ``engine.checkpoint_engine.save`` (deepspeed
-    0.19.8, runtime/engine.py ``_save_checkpoint``, ``_save_zero_checkpoint``); for this call it is a
-    capturing engine that copies instead of writing. Folders are still made (``makedirs``) and rank 0's
-    small recovery script still copied, here. DeepSpeed's decoupled engine (its own background writer)
-    needs its FastCheckpointEngine writer and spawns a process per rank that receives the live state
-    through a queue; a host copy written by a thread is what vitp needs."""
+    DeepSpeed writes every checkpoint file through ``engine.checkpoint_engine.save`` (0.19.8,
+    runtime/engine.py ``_save_checkpoint``, ``_save_zero_checkpoint``); for this call that slot holds an
+    engine that copies instead. Folders are still made and rank 0's recovery script copied, here. (Its
+    decoupled engine needs the FastCheckpointEngine writer and a process per rank fed the live state
+    through a queue; a host copy written by a thread is what vitp needs.)"""
     _deepspeed()
-    own = engine.checkpoint_engine
-    files: list = []
-    engine.checkpoint_engine = _capturing_engine(own, files, copy)
-    try:
-        save_checkpoint(engine, save_dir, tag, client_state)
-    finally:
-        engine.checkpoint_engine = own
-    return files
-
-
-def _capturing_engine(own, files: list, copy):
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
-    class Capturing(CheckpointEngine):
-        """Records (path, host copy, writer) for each file instead of writing it."""
+    own, files = engine.checkpoint_engine, []
 
+    class Capturing(CheckpointEngine):
         def create(self, info):
             own.create(info)
 
@@ -395,9 +382,14 @@ def _capturing_engine(own, files: list, copy):
             return own.is_data_parallel_writer(dp_rank)
 
         def preserves_storage_sharing(self):
-            return False  # the host copy is already one compact tensor per entry
+            return False  # no clone first: the host copy is one compact tensor per entry
 
-    return Capturing()
+    engine.checkpoint_engine = Capturing()
+    try:
+        save_checkpoint(engine, save_dir, tag, client_state)
+    finally:
+        engine.checkpoint_engine = own
+    return files
 
 
 def load_checkpoint(engine, load_dir: str, tag: str) -> dict:

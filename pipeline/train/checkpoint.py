@@ -449,6 +449,7 @@ class CheckpointManager:
         ``check``: if it failed on any rank, raise :class:`CheckpointWriteFailed` on every rank (this
         rank's line, or the other rank's failure)."""
         self._writer.wait()
+        wait_for_rank0()  # rank 0's publishing and pruning can outlast a collective's timeout
         if any_rank(self.failed) and check:
             last = latest_checkpoint(self.run_dir, warn=False)
             raise CheckpointWriteFailed(f"{self._writer.error or 'another rank could not write its checkpoint files'}; "

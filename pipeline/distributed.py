@@ -469,6 +469,33 @@ def wait_for_rank0() -> None:
     store.wait([key + "/all"], datetime.timedelta(seconds=WAIT_FOR_RANK0_S))
 
 
+def new_gloo_group():
+    """Collective: a gloo group of every rank for one background user (a checkpoint writer thread),
+    apart from the groups the training thread uses: two threads never share a group's sequence of
+    collectives. Its timeout is :data:`WAIT_FOR_RANK0_S` (a rank's slow file system). None without a
+    group of more than one rank."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=WAIT_FOR_RANK0_S))
+
+
+def any_rank(flag: bool, group=None) -> bool:
+    """Collective: whether ``flag`` is true on any rank (a host tensor; ``group`` a gloo group, default
+    the side group)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group or _SIDE_GROUP)
+    return bool(t.item())
+
+
 def broadcast_from_rank0(obj):
     """Rank 0's ``obj`` (a small picklable value) on every rank: one decision for all, where each
     rank's own view could differ (a shared file system's cached listing). Over the side gloo group,

@@ -6,8 +6,12 @@ torch, so data_prep (torch-free) calls it too. Events and their variables (value
 
     event          at            variable                        what happens when it matches
     "step"         step k        VITP_TEST_KILL_AT_STEP=k        SIGKILL before step k runs
+    "save_begin"   step k        VITP_TEST_KILL_BEFORE_WRITE=k   SIGKILL when checkpoint k's write begins (in
+                                                                 the background: training goes on meanwhile)
     "save"         step k        VITP_TEST_KILL_DURING_SAVE=k    SIGKILL after checkpoint k's files are
                                                                  written, before it is published
+    "publish"      step k        VITP_TEST_KILL_AT_PUBLISH=k     SIGKILL (of rank 0, which publishes) after
+                                                                 checkpoint k's manifest, before its rename
     "fewshot"      step k        VITP_TEST_KILL_DURING_FEWSHOT=k SIGKILL inside step k's few-shot evaluator
     "prep_sample"  sample index  VITP_PREP_TEST_KILL_AT=SHARD:K  SIGKILL the prep process handling sample
                    (scope: shard)                                K of SHARD
@@ -35,6 +39,10 @@ launch/preempt.py) with VITP_TEST_PAUSE_FILE=P holds every rank before step k. E
 600, then TimeoutError); a stop request it receives meanwhile (a signal the test sent) is written to
 ``P.k.stop.<rank>``. So a test makes a signal land at the step it chooses: wait for every
 ``reached``, signal, wait for the ``stop`` files, create ``P.k``.
+
+Write gate, event "save_begin": VITP_TEST_HOLD_WRITE=k with VITP_TEST_PAUSE_FILE=P holds every rank's
+background write of checkpoint k at the same kind of gate, named ``P.write.k`` (training goes on
+meanwhile): a signal can land while a write is in flight.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from pipeline.files import atomic_write
 
 KILL_AT_STEP = "VITP_TEST_KILL_AT_STEP"
 KILL_DURING_SAVE = "VITP_TEST_KILL_DURING_SAVE"
+KILL_BEFORE_WRITE = "VITP_TEST_KILL_BEFORE_WRITE"
+KILL_AT_PUBLISH = "VITP_TEST_KILL_AT_PUBLISH"
 KILL_DURING_FEWSHOT = "VITP_TEST_KILL_DURING_FEWSHOT"
 KILL_RANK = "VITP_TEST_KILL_RANK"
 PREP_KILL_AT = "VITP_PREP_TEST_KILL_AT"
@@ -60,15 +70,19 @@ FAULT_NODE = "VITP_TEST_FAULT_NODE"
 PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
 PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
 PAUSE_TIMEOUT_S = "VITP_TEST_PAUSE_TIMEOUT_S"
+HOLD_WRITE = "VITP_TEST_HOLD_WRITE"
 
-_KILL = {"step": KILL_AT_STEP, "save": KILL_DURING_SAVE, "fewshot": KILL_DURING_FEWSHOT, "prep_sample": PREP_KILL_AT}
-_RANKED = frozenset({"step", "save", "fewshot"})  # training events: only the chosen rank dies
+_KILL = {"step": KILL_AT_STEP, "save": KILL_DURING_SAVE, "save_begin": KILL_BEFORE_WRITE, "publish": KILL_AT_PUBLISH,
+         "fewshot": KILL_DURING_FEWSHOT, "prep_sample": PREP_KILL_AT}
+_RANKED = frozenset({"step", "save", "save_begin", "publish", "fewshot"})  # training events: only the chosen rank dies
 
 
 def hit(event: str, at: int, scope: str = "") -> None:
     """The seam: a fault set for ``event`` at ``at`` (within ``scope``, e.g. a shard name) happens here."""
     if event == "step" and PAUSE_AT_STEP in os.environ:
         _pause(at)
+    if event == "save_begin" and HOLD_WRITE in os.environ and int(os.environ[HOLD_WRITE]) == at:
+        _gate(f"{os.environ[PAUSE_FILE]}.write.{at}")
     if event == "step" and HANG_AT_STEP in os.environ and int(os.environ[HANG_AT_STEP]) == at and _chosen_rank() \
             and slurm.restart_count() == 0:
         _hang()
@@ -119,7 +133,11 @@ def poison_grad(step: int, loss) -> None:
 def _pause(step: int) -> None:
     if step not in {int(k) for k in os.environ[PAUSE_AT_STEP].split(",") if k.strip()}:
         return
-    base, rank = f"{os.environ[PAUSE_FILE]}.{step}", os.environ.get("RANK", "0")
+    _gate(f"{os.environ[PAUSE_FILE]}.{step}")
+
+
+def _gate(base: str) -> None:
+    rank = os.environ.get("RANK", "0")
     release = Path(base)
     Path(f"{base}.reached.{rank}").touch()
     deadline = time.monotonic() + float(os.environ.get(PAUSE_TIMEOUT_S, "600"))

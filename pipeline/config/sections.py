@@ -298,8 +298,13 @@ class EngineCfg(Section):
 
 
 class CheckpointCfg(Section):
-    every: Int = Field(0, ge=0)  # 0: only at the end (and on preemption)
+    every: Int = Field(0, ge=0)  # steps; 0: only at the end (and on preemption), unless every_minutes
+    # minutes of training between saves (beside every): rank 0 times the steps and picks the step
+    every_minutes: Float = Field(0.0, ge=0.0)
     keep: Int = Field(2, ge=1)
+    # write in the background: a save holds training only to copy the states to host memory
+    # (falls back to writing inline, with a warning at start-up, where the node has no room for the copy)
+    async_: Bool = Field(True, alias="async")
 
 
 class TrackingCfg(Section):
@@ -346,6 +351,8 @@ class HardwareCfg(Section):
     intra_node_gbps: Float = Field(450.0, gt=0)  # GB/s per GPU (NVLink)
     inter_node_gbps: Float = Field(50.0, gt=0)  # GB/s per GPU (InfiniBand 400 Gb/s)
     assumed_mfu: Float = Field(0.5, gt=0.0, le=1.0)
+    storage_write_gbps: Float = Field(5.0, gt=0)  # GB/s the job's checkpoint writes reach, all ranks together
+    host_copy_gbps: Float = Field(20.0, gt=0)  # GB/s per rank copying its states to host memory (pinned, PCIe)
 
 
 class ClusterCfg(Section):

@@ -30,6 +30,7 @@ import itertools
 from pathlib import Path
 
 from pipeline.config.sections import REDUCE_DTYPE
+from pipeline.plan.checkpoint import checkpoint_cost, report_lines
 from pipeline.plan.memory import BYTES, GiB, ModelShape, fp32_accumulation_path, memory_per_rank
 
 TPU_V3_CORE_TFLOPS = 61.5  # 123 TFLOP/s bf16 per TPUv3 chip, 2 cores per chip
@@ -205,6 +206,7 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
     total_flops = pd["total_flops"]
     tpu_days = total_flops / (TPU_V3_CORE_TFLOPS * 1e12 * hw.assumed_mfu) / 86400
     paper = PAPER_TPU_CORE_DAYS.get(m.name) if m.img_size == 224 else None
+    ckpt = checkpoint_cost(cfg, shape.params, total_s / max(t.steps, 1))
     return {
         "model": {"name": m.name or "custom", "params": shape.params, "width": shape.width, "depth": shape.depth,
                   "heads": shape.heads, "mlp_dim": shape.mlp_dim, "tokens": shape.tokens,
@@ -226,6 +228,7 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
                        "epochs": t.steps * t.global_batch / ds_n},
         "cost": {"total_s": total_s, "gpu_hours": total_s * n / 3600, "total_flops": total_flops,
                  "tpuv3_core_days": tpu_days, "paper_tpuv3_core_days": paper},
+        "checkpoint": ckpt,
     }
 
 
@@ -319,7 +322,8 @@ def format_report(p: dict) -> str:
           f"   {'parameter gather / prefetch':<34}{_gib(b['param_gather'])}",
           f"   {'optimizer temporaries':<34}{_gib(b['optimizer_temp'])}",
           f"   {'CUDA context + NCCL':<34}{_gib(b['context'])}",
-          f"   {'peak total':<34}{_gib(mem['total'])}  {_gib(mem['host'])}",
+          f"   {'checkpoint snapshot (async)':<34}{_gib(0)}  {_gib(p['checkpoint']['snapshot_bytes'])}",
+          f"   {'peak total':<34}{_gib(mem['total'])}  {_gib(mem['host'] + p['checkpoint']['snapshot_bytes'])}",
           "", "== verdict",
           f"   {'FITS' if v['fits'] else 'DOES NOT FIT'}: {mem['total'] / GiB:.1f} GiB of "
           f"{v['budget_bytes'] / GiB:.1f} GiB usable ({v['device_bytes'] / GiB:.0f} GiB device)",
@@ -335,6 +339,7 @@ def format_report(p: dict) -> str:
           f"   step {_dur(t['step_s'])} ({t['bound']}-bound); {th['images_per_s_per_gpu']:.0f} images/s per GPU, "
           f"{th['images_per_s']:.0f} images/s for the job",
           *_patch_drop_lines(p["patch_drop"]),
+          *report_lines(p["checkpoint"], _dur),
           "", "== cost",
           f"   epoch of {th['dataset_size']:,} images ({th['dataset_source']}): {_dur(th['epoch_s'])}",
           f"   whole schedule ({th['epochs']:.1f} epochs): {_dur(c['total_s'])}, {c['gpu_hours']:,.0f} GPU-hours, "

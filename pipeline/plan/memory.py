@@ -276,3 +276,18 @@ def memory_per_rank(shape: ModelShape, *, precision: str = "bf16", zero_stage: i
     total = persistent + max(backward, step)
     return {"states": states, "activations": acts, "buffers": bufs, "model_states": dev, "host": host,
             "total": total}
+
+
+def checkpoint_bytes(params: float, *, precision: str, zero_stage: int, world_size: int) -> dict[str, float]:
+    """Bytes of one checkpoint's files: ``total`` over the ranks, and ``rank0``'s share, the largest
+    (its host snapshot under checkpoint.async, one per rank at most). P parameters, N ranks, w bytes a
+    parameter: the module file (rank 0; w P, with the whole optimizer at stage 0: 8P Adam m, v and 4P
+    fp32 master when mixed) and at stages 1-3 each rank's optimizer partition (4P/N master + 8P/N Adam;
+    stage 3's module file holds the partition's parameters, w P/N)."""
+    w, P, n = BYTES[precision], float(params), world_size
+    if zero_stage == 0:
+        rank0 = w * P + 8 * P + (4 * P if w != 4 else 0)
+        return {"total": rank0, "rank0": rank0}
+    module = w * P / n if zero_stage == 3 else w * P
+    part = 12 * P / n
+    return {"total": (module * n if zero_stage == 3 else module) + 12 * P, "rank0": module + part}

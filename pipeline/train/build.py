@@ -24,7 +24,9 @@ up the process group first (:func:`pipeline.distributed.setup`).
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,9 +38,10 @@ from pipeline import data as data_lib
 from pipeline.config import Config, resolve
 from pipeline.data import check_splits, minival_source
 from pipeline.data.mixing import Mixer
-from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
+from pipeline.distributed import any_rank, broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
 from pipeline.eval import evaluators as evals
 from pipeline.eval.task import Task
+from pipeline.plan.memory import checkpoint_bytes
 from pipeline.stops import Classified
 from pipeline.tracking import METRICS, JsonlSink, Sinks
 from pipeline.tracking.setup import Tracking
@@ -50,12 +53,28 @@ from pipeline.train.evaluators import Evaluations
 from pipeline.train.loss import loss_fn
 from pipeline.train.patchdrop import PatchDrop
 from pipeline.train.periodic import Periodic, TrainLog, Window
+from pipeline.train.saving import available_host_bytes, host_room
 from pipeline.train.schedule import Schedule
 
 
 class RunDirError(Classified, RuntimeError):
     exit_code = 2
     retry = False
+
+
+def room_for_snapshots(cfg, n_params: int, world: int) -> bool:
+    """Collective: whether every node has free host memory for its ranks' checkpoint snapshots
+    (checkpoint.async); a rank whose node has none warns, and every rank then writes inline."""
+    need = checkpoint_bytes(n_params, precision=cfg.engine.precision, zero_stage=cfg.engine.zero_stage,
+                            world_size=world)["rank0"]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    free = available_host_bytes()
+    short = not host_room(need, local, free)
+    if short:
+        print(f"warning: checkpoint.async: this node has {free / 2**30:.1f} GiB of host memory free, its {local} "
+              f"rank(s) need {local * need / 2**30:.1f} GiB for checkpoint snapshots; checkpoints are written "
+              f"inline (training waits for each save)", file=sys.stderr, flush=True)
+    return not any_rank(short)
 
 
 def prepare_run_dir(run, resolved_yaml: str, rank: int) -> Path | None:
@@ -200,6 +219,7 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     num_classes = cfg.model.num_classes or info.num_classes
     model = build_model(num_classes)
     torch.manual_seed(cfg.seed * 1000 + rank)
+    n_params = sum(p.numel() for p in model.parameters())  # whole, before ZeRO-3 partitions them
     universal = ckpt_lib.universal_for(resume_from, world) if resume_from else None
     engine, dtype, accum = eng_lib.for_training(model, cfg, param_groups(model) if param_groups else None,
                                                 load_universal=universal is not None)
@@ -231,8 +251,10 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
     periodic = [train_log, sides[False], *added, sides[True]]
     named = {"rng": RngState(), "loader": loader, "window": window, **({"ema": ema} if ema is not None else {}),
              **{p.name: p for p in periodic if hasattr(p, "state_dict") and p is not sides[False]}, **(states or {})}
-    checkpoints = CheckpointManager(run_dir, engine, named, every=cfg.checkpoint.every, last_step=t.steps,
-                                    keep=cfg.checkpoint.keep)
+    c = cfg.checkpoint
+    checkpoints = CheckpointManager(run_dir, engine, named, every=c.every, every_minutes=c.every_minutes,
+                                    last_step=t.steps, keep=c.keep,
+                                    background=c.async_ and room_for_snapshots(cfg, n_params, world))
 
     resumed = checkpoints.restore(resume_from, universal) if resume_from is not None else None
     step, manifest = (resumed.step, resumed.manifest) if resumed else (0, {})
@@ -260,7 +282,6 @@ def build_run(cfg: Config, build_model: Callable[[int], torch.nn.Module], *,
               task=task, schedule=schedule, ema=ema, window=window, train_log=train_log, checkpoints=checkpoints,
               periodic=[p for p in periodic if p],
               tracker=tracker, history=history, close_timeout=cfg.tracking.close_timeout_s)
-    n_params = sum(p.numel() for p in model.parameters()) if cfg.engine.zero_stage < 3 else None
     rank0_print(f"{stage}: {world} rank(s) on {device.type}, ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision}, "
                 f"global batch {t.global_batch} = {t.micro_batch} x {accum} accum x {world}, steps {step}->{t.steps}"
                 + (f", {n_params / 1e6:.2f}M params" if n_params else "")

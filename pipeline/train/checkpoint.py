@@ -19,6 +19,15 @@ DeepSpeed's own ``latest`` file is not written: it appears before every rank has
 checkpoint exists iff its ``step-*`` folder exists with a manifest (a rename is atomic), so a job
 killed mid-save leaves only a ``tmp-*`` folder that resume ignores and the next save deletes.
 
+In the background (checkpoint.async, the default): inside the step each rank copies what it would
+write to host memory (DeepSpeed's files captured through its checkpoint-engine slot,
+pipeline/train/engine.py ``snapshot_checkpoint``; our named states), then a thread writes and flushes
+the files; once every rank's thread has (they agree over their own gloo group), rank 0's publishes it
+(the manifest last, then the one rename) and prunes the oldest. A kill at any moment of that leaves
+the previous checkpoint as the resume point. The next save waits for the write only if it is still
+running; a stop (preemption) and the end of a run wait for it, then save inline; a write that failed
+stops the run at a step boundary (:class:`CheckpointWriteFailed`, one line naming the file).
+
 Shared file systems: each rank fsyncs the files it wrote before the barrier, rank 0 fsyncs the
 folders around each rename, so a published checkpoint is on stable storage and not only in some
 client's cache. The manifest records every file's size; resume skips (with a one-line warning) a
@@ -32,6 +41,7 @@ torch.load(weights_only=False) (deepspeed 0.19.8), so only load checkpoints you 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -48,8 +58,10 @@ import numpy as np
 import torch
 
 from pipeline import faults
-from pipeline.distributed import broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
-from pipeline.files import atomic_write, fsync_path, replacing
+from pipeline.distributed import any_rank, broadcast_from_rank0, new_gloo_group, rank0_print, rank_world, wait_for_rank0
+from pipeline.files import atomic_write, fsync_path
+from pipeline.stops import Classified
+from pipeline.train.saving import Background, HostCopy, free_space, without_crc
 
 MANIFEST = "manifest.json"
 SHARED = "vitp_shared.pt"  # the states equal on every rank, written once by rank 0
@@ -165,7 +177,8 @@ def publish(tmp: Path, final: Path, manifest: dict) -> None:
     sizes = {n: s for n, s in _files(tmp).items() if n != MANIFEST}
     doc = dict(manifest, files=sorted(sizes), sizes=sizes)
     atomic_write(tmp / MANIFEST, json.dumps(doc, indent=1), fsync=True)  # also flushes tmp's entries
-    os.replace(tmp, final)
+    faults.hit("publish", int(manifest.get("step", -1)))
+    os.replace(tmp, final)  # the one rename that makes it the resume point
     fsync_path(final.parent)
     atomic_write(final.parent / "LATEST", final.name + "\n", fsync=True)
 
@@ -267,50 +280,109 @@ class Resumed:
     manifest: dict  # what rank 0 recorded (run config, model config, MLflow run id, ...)
 
 
+class CheckpointWriteFailed(Classified, RuntimeError):
+    """A checkpoint's files could not be written or published (a full disk, a vanished mount): the
+    run stops with the last complete checkpoint as its resume point. A retry may find the space."""
+
+    exit_code = 1
+    retry = True
+
+
+PLAN_AFTER = 4  # checkpoint.every_minutes: steps of a job that rank 0 times before it first picks a step
+
+
 class CheckpointManager:
     """Saves and restores a run: DeepSpeed's model + optimizer through its own collective save, and
     the named :class:`Stateful` parts, each its own entry (``states={"loader": ..., "ema": ...}``).
     It decides for itself when to save: the loop offers every step (:meth:`maybe_save`, as
     torchtitan's ``checkpointer.save(step, last_step=...)``) and it saves every ``every`` steps, at
-    ``last_step``, at the end of a job (``last_step=True``) and once per step at most.
-    ``manifest()``: the JSON-able facts rank 0 records at each save. ``save`` and ``restore`` are
-    collective: call them on every rank.
+    the step rank 0 picked for ``every_minutes``, at ``last_step``, at the end of a job
+    (``last_step=True``) and once per step at most.
+    ``manifest()``: the JSON-able facts rank 0 records at each save. ``save``, ``wait`` and
+    ``restore`` are collective: call them on every rank.
+
+    ``background``: a save copies every rank's states to host memory inside the step (a snapshot,
+    :class:`pipeline.train.saving.HostCopy`) and a thread writes the files, then rank 0 publishes
+    and prunes, while training goes on; the next save waits for that write only if it is still
+    running. The writer threads agree over their own gloo group. A write that fails leaves
+    :attr:`failed` set; the loop stops on it at a step boundary (:meth:`wait` raises
+    :class:`CheckpointWriteFailed` on every rank). Without it, the same steps run inline.
+
+    Minutes cadence: rank 0 times the steps and picks the step of the next save (at each save, and
+    :data:`PLAN_AFTER` steps into a job without one); every rank gets that step, and the checkpoint
+    records it, so a resumed run saves at the step the interrupted one had picked.
 
     Files: ``vitp_rank<R>.pt`` per rank ({"step", "world_size", "states": {name: state}}) and
-    ``vitp_shared.pt`` (rank 0: the "shared" states).
+    ``vitp_shared.pt`` (rank 0: the "shared" states, and ``cadence``).
     """
 
     name = "checkpoint"
 
     def __init__(self, run_dir: str | os.PathLike, engine, states: dict[str, Stateful], *, every: int,
-                 last_step: int, keep: int, manifest: Callable[[], dict] = dict):
+                 last_step: int, keep: int, manifest: Callable[[], dict] = dict, every_minutes: float = 0.0,
+                 background: bool = False):
         self.run_dir, self.engine, self.states = Path(run_dir), engine, dict(states)
         self.every, self.last_step, self.keep, self.manifest = every, last_step, keep, manifest
+        self.every_minutes, self.background = every_minutes, background
         self.scopes = {name: scope_of(obj) for name, obj in self.states.items()}
         self._saved_at: int | None = None
+        self._group = new_gloo_group() if background else None  # collective: the writer threads' own
+        self._copy, self._writer = HostCopy(), Background()
+        self.blocked_s: float | None = None  # how long the last save held the loop (bench/checkpoint.py)
+        self._next_at: int | None = None  # every_minutes: the step rank 0 picked for the next save
+        self._clock: tuple[int, float] | None = None  # (step, rank 0's clock) the next pick measures from
+
+    @property
+    def writing(self) -> bool:
+        """This rank's background write is still running."""
+        return self._writer.running
+
+    @property
+    def failed(self) -> bool:
+        """This rank's last background write failed (the loop shares it with the step's flags)."""
+        return self._writer.error is not None
 
     def due(self, step: int, last_step: bool = False) -> bool:
         """Whether :meth:`maybe_save` would save ``step``."""
         if step == self._saved_at:
             return False
-        return last_step or bool(self.every and step % self.every == 0) or step == self.last_step
+        return (last_step or bool(self.every and step % self.every == 0) or step == self.last_step
+                or step == self._next_at)
 
-    def maybe_save(self, step: int, *, last_step: bool = False, before: Callable[[], object] = lambda: None
-                   ) -> Path | None:
+    def maybe_save(self, step: int, *, last_step: bool = False, before: Callable[[], object] = lambda: None,
+                   wait: bool = False) -> Path | None:
         """Collective: save ``step`` if it is one to save (see the class); ``before()`` runs first,
         only then (the loop's check that the step's update was finite)."""
+        if self.every_minutes:
+            if self._clock is None:  # this job's first step: timed from here (not its start-up)
+                self._clock = (step, time.monotonic())
+            elif self._next_at is None and step == self._clock[0] + PLAN_AFTER:
+                self._pick(step)
         if not self.due(step, last_step):
             return None
         before()
-        return self.save(step)
+        return self.save(step, wait=wait)
+
+    def _pick(self, step: int) -> None:
+        """Collective: rank 0's choice of the next save's step, ``every_minutes`` ahead at the pace of
+        the steps since the last choice; kept when there is no step to time yet."""
+        now = time.monotonic()
+        if self._clock is not None and step > self._clock[0]:
+            per_step = (now - self._clock[1]) / (step - self._clock[0])
+            ahead = max(1, round(self.every_minutes * 60 / max(per_step, 1e-9)))
+            self._next_at = broadcast_from_rank0(step + ahead)
+        self._clock = (step, now)
 
     def path(self, step: int) -> Path:
         return root(self.run_dir) / tag_for(step)
 
-    def save(self, step: int) -> Path:
-        """Write checkpoint ``step`` on every rank, then publish it atomically; keep the newest ``keep``."""
+    def save(self, step: int, *, wait: bool = False) -> Path:
+        """Snapshot checkpoint ``step`` on every rank, then write it (in the background, unless
+        ``wait`` or the manager writes inline) and publish it atomically; keep the newest ``keep``."""
         from pipeline.train import engine as eng
 
+        began = time.perf_counter()
+        self.wait()  # the previous write, if it is still running; raises if it failed
         rank, world = rank_world()
         r = root(self.run_dir)
         tmp, final = r / f"{_TMP}{step:08d}", self.path(step)
@@ -321,25 +393,67 @@ class CheckpointManager:
             if final.exists():  # re-saving a step (a resumed run's final save)
                 shutil.rmtree(final)
         wait_for_rank0()  # rank 0 may have had old folders to delete
-        eng.save_checkpoint(self.engine, str(r), tmp.name)
+        if self.every_minutes:
+            self._pick(step)
+        files = eng.snapshot_checkpoint(self.engine, str(r), tmp.name, self._copy)
         own = {n: o.state_dict() for n, o in self.states.items() if self.scopes[n] != "shared"}
-        with replacing(tmp / f"vitp_rank{rank}.pt") as part:
-            torch.save({"step": step, "rank": rank, "world_size": world, "states": own}, part)
+        files.append((tmp / f"vitp_rank{rank}.pt", self._copy(
+            {"step": step, "rank": rank, "world_size": world, "states": own}), torch.save))
         if rank == 0:
             shared = {n: o.state_dict() for n, o in self.states.items() if self.scopes[n] == "shared"}
-            with replacing(tmp / SHARED) as part:
-                torch.save({"step": step, "states": shared}, part)
-        fsync_own_files(tmp, rank)
-        faults.hit("save", step)
-        wait_for_rank0()  # every rank's files are on stable storage (a large shard on a slow file system takes minutes)
-        if rank == 0:
-            publish(tmp, final, dict(self.manifest(), step=step, world_size=world, saved_at=time.time()))
-            for old in complete_checkpoints(self.run_dir)[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-                shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
-        wait_for_rank0()  # deleting old checkpoints can outlast a collective's timeout
+            files.append((tmp / SHARED, self._copy(
+                {"step": step, "states": shared, "cadence": {"next_at": self._next_at}}), torch.save))
+        self._copy.done()
+        manifest = dict(self.manifest(), step=step, world_size=world, saved_at=time.time()) if rank == 0 else None
+        inline = wait or not self.background
+        self._writer.run(functools.partial(self._write, step, files, tmp, final, manifest), inline=inline)
         self._saved_at = step
+        if inline:
+            self.wait()
+        self.blocked_s = time.perf_counter() - began
         return final
+
+    def _write(self, step: int, files: list, tmp: Path, final: Path, manifest: dict | None) -> str | None:
+        """Every rank: write its files and flush them; once all have, rank 0 publishes and prunes.
+        -> None, or the one line saying what failed (the checkpoint is then not published)."""
+        rank = rank_world()[0]
+        error, where = None, tmp
+        try:
+            faults.hit("save_begin", step)
+            with without_crc():
+                for where, state, write in files:
+                    write(state, str(where))
+            fsync_own_files(tmp, rank)
+            faults.hit("save", step)
+        except Exception as e:  # a full disk (torch's zip writer may say only "unexpected pos"), a vanished mount
+            error = (f"checkpoint {final.name}: writing {where} failed ({type(e).__name__}: {e}; "
+                     f"{free_space(tmp)} free there); not published")
+        files.clear()  # the host copies stay in their buffers for the next save, nothing else holds them
+        if any_rank(error is not None, self._group):  # every rank's files are on stable storage, or one failed
+            if manifest is not None:  # every rank is done with it: its space goes back (a full disk)
+                shutil.rmtree(tmp, ignore_errors=True)
+            return error or f"checkpoint {final.name}: another rank could not write its files to {tmp}; not published"
+        if manifest is None:
+            return None
+        try:
+            publish(tmp, final, manifest)
+        except Exception as e:
+            return f"checkpoint {final.name}: publishing {tmp} failed ({type(e).__name__}: {e}); not published"
+        for old in complete_checkpoints(self.run_dir)[:-self.keep]:  # never the newest: keep >= 1
+            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old.with_name(old.name + ".universal"), ignore_errors=True)
+        return None
+
+    def wait(self, *, check: bool = True) -> None:
+        """Collective: the write in flight is finished on every rank (its checkpoint published).
+        ``check``: if it failed on any rank, raise :class:`CheckpointWriteFailed` on every rank (this
+        rank's line, or the other rank's failure)."""
+        self._writer.wait()
+        wait_for_rank0()  # rank 0's publishing and pruning can outlast a collective's timeout
+        if any_rank(self.failed) and check:
+            last = latest_checkpoint(self.run_dir, warn=False)
+            raise CheckpointWriteFailed(f"{self._writer.error or 'another rank could not write its checkpoint files'}; "
+                                        f"last complete checkpoint: {last or 'none'}")
 
     def restore(self, ckpt: Path, universal: Path | None = None) -> Resumed:
         """Load model + optimizer (DeepSpeed) and every named state from ``ckpt``. With ``universal``
@@ -352,7 +466,8 @@ class CheckpointManager:
         eng.load_checkpoint(self.engine, str(src.parent), src.name)
         mine = ckpt / f"vitp_rank{rank if universal is None else 0}.pt"
         own = torch.load(mine, map_location="cpu", weights_only=True)
-        shared = torch.load(ckpt / SHARED, map_location="cpu", weights_only=True)["states"]
+        shared_file = torch.load(ckpt / SHARED, map_location="cpu", weights_only=True)
+        shared = shared_file["states"]
         for name, obj in self.states.items():
             scope = self.scopes[name]
             if scope == "rank_local" and universal is not None:
@@ -362,6 +477,9 @@ class CheckpointManager:
                 raise RuntimeError(f"{ckpt}: holds no saved state {name!r} (saved: {sorted(saved) or 'none'}); "
                                    "it was written with another configuration or vitp version")
             obj.load_state_dict(saved[name])
-        return Resumed(int(own["step"]), read_manifest(ckpt))
+        step = int(own["step"])
+        picked = (shared_file.get("cadence") or {}).get("next_at")
+        self._next_at = picked if self.every_minutes and picked is not None and picked > step else None
+        return Resumed(step, read_manifest(ckpt))
 
 

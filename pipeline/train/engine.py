@@ -347,6 +347,51 @@ def save_checkpoint(engine, save_dir: str, tag: str, client_state: dict | None =
         engine.save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False)
 
 
+def snapshot_checkpoint(engine, save_dir: str, tag: str, copy, client_state: dict | None = None) -> list:
+    """Collective: :func:`save_checkpoint` with DeepSpeed's file writes held back. Each file this rank
+    would write comes back as ``(path, copy(state), write)``, ``write(state, path)`` being DeepSpeed's
+    own engine's save (torch.save in its format), to call later from any thread.
+
+    DeepSpeed writes every checkpoint file through ``engine.checkpoint_engine.save`` (0.19.8,
+    runtime/engine.py ``_save_checkpoint``, ``_save_zero_checkpoint``); for this call that slot holds an
+    engine that copies instead. Folders are still made and rank 0's recovery script copied, here. (Its
+    decoupled engine needs the FastCheckpointEngine writer and a process per rank fed the live state
+    through a queue; a host copy written by a thread is what vitp needs.)"""
+    _deepspeed()
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    own, files = engine.checkpoint_engine, []
+
+    class Capturing(CheckpointEngine):
+        def create(self, info):
+            own.create(info)
+
+        def save(self, state_dict, path: str):
+            files.append((path, copy(state_dict), own.save))
+
+        def makedirs(self, path, exist_ok=False):
+            own.makedirs(path, exist_ok=exist_ok)
+
+        def load(self, path: str, map_location=None):
+            return own.load(path, map_location)
+
+        def commit(self, info):
+            return True  # vitp publishes the checkpoint once every rank's files are durable
+
+        def is_data_parallel_writer(self, dp_rank):
+            return own.is_data_parallel_writer(dp_rank)
+
+        def preserves_storage_sharing(self):
+            return False  # no clone first: the host copy is one compact tensor per entry
+
+    engine.checkpoint_engine = Capturing()
+    try:
+        save_checkpoint(engine, save_dir, tag, client_state)
+    finally:
+        engine.checkpoint_engine = own
+    return files
+
+
 def load_checkpoint(engine, load_dir: str, tag: str) -> dict:
     """Collective: load model + optimizer from ``load_dir/tag``; returns DeepSpeed's client state.
 

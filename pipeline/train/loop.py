@@ -11,9 +11,10 @@
         optimizer_step     clip + update (DeepSpeed), EMA
         periodic tasks     the due ones of one list, in order (pipeline/train/periodic.py): those
                            before the checkpoint (training log, evaluators, the caller's tasks), the
-                           checkpoint manager's offer to save, those after it (few-shot...); their
-                           metrics go to one record written before the checkpoint and one after
-    finish: final checkpoint, consolidated weights, artifacts, the caller's ``finish``
+                           checkpoint manager's offer to save (a host snapshot; the files are written
+                           in the background), those after it (few-shot...); their metrics go to one
+                           record written before the checkpoint and one after
+    finish: final checkpoint (waited for), consolidated weights, artifacts, the caller's ``finish``
 
 What differs between stages comes in through the builder (the model, its parameter groups) and
 ``finish`` (what happens to the final model); the loop never asks which stage it runs, nor reads cfg.
@@ -79,8 +80,9 @@ class Finished:
 # --------------------------------------------------------------------------------------------------
 class Agreement:
     """Per step, whether any rank asked to stop (:func:`pipeline.stops.code`: 2 a requeue, which wins
-    over 1 any other reason, e.g. cancel), whether any rank saw a non-finite loss, and whether the
-    optimizer step before had a non-finite gradient norm: one [3] all-reduce (max) on the device.
+    over 1 any other reason, e.g. cancel), whether any rank saw a non-finite loss, whether the
+    optimizer step before had a non-finite gradient norm, and whether any rank's background checkpoint
+    write failed: one [4] all-reduce (max) on the device.
 
     ``post`` starts step t's all-reduce without waiting; ``read`` returns the agreed flags of every
     posted step. ``lag=True`` leaves the newest posted step unread (it is read next time, after the
@@ -93,11 +95,14 @@ class Agreement:
         self.device = device
         self.pending: list[tuple[int, torch.Tensor, object]] = []  # (step, flags, copy-done event)
 
-    def post(self, step: int, asked: str | None, loss_sum: torch.Tensor, norm_bad: torch.Tensor) -> None:
+    def post(self, step: int, asked: str | None, loss_sum: torch.Tensor, norm_bad: torch.Tensor,
+             write_failed: bool = False) -> None:
         """Step ``step``'s flags; ``norm_bad``: 1.0 on the device if step ``step`` - 1's gradient norm was
-        not finite (:func:`pipeline.train.engine.nonfinite_grad_norm`)."""
+        not finite (:func:`pipeline.train.engine.nonfinite_grad_norm`); ``write_failed``: this rank's
+        background checkpoint write failed (a host value: no sync)."""
         flags = torch.stack([torch.full((), stops.code(asked), dtype=torch.float32, device=self.device),
-                             (~torch.isfinite(loss_sum)).to(torch.float32), norm_bad.to(torch.float32)])
+                             (~torch.isfinite(loss_sum)).to(torch.float32), norm_bad.to(torch.float32),
+                             torch.full((), float(write_failed), dtype=torch.float32, device=self.device)])
         flags = all_reduce(flags, "max")
         done = None
         if flags.device.type == "cuda":  # copy back now, read later: no wait in the step
@@ -106,27 +111,27 @@ class Agreement:
             done.record()
         self.pending.append((step, flags, done))
 
-    def settle(self, step: int, norm_bad: torch.Tensor) -> tuple[float, tuple[int, str] | None]:
+    def settle(self, step: int, norm_bad: torch.Tensor) -> tuple[float, tuple[int, str] | None, bool]:
         """Everything posted, and step ``step``'s own gradient norm, read now (before a checkpoint of
         ``step``: no save follows an update made with a non-finite norm). A host sync: only where one
         happens anyway."""
         self.post(step + 1, None, torch.zeros((), device=self.device), norm_bad)
         return self.read(lag=False)
 
-    def read(self, *, lag: bool) -> tuple[float, tuple[int, str] | None]:
-        """(stop code, the first (step, "loss" | "gradient norm") that was not finite, or None) over the
-        steps read now."""
+    def read(self, *, lag: bool) -> tuple[float, tuple[int, str] | None, bool]:
+        """(stop code, the first (step, "loss" | "gradient norm") that was not finite or None, whether a
+        checkpoint write failed) over the steps read now."""
         ready, self.pending = (self.pending[:-1], self.pending[-1:]) if lag else (self.pending, [])
-        stop, bad = 0.0, None
+        stop, bad, write_failed = 0.0, None, False
         for step, flags, done in ready:
             if done is not None:
                 done.synchronize()  # queued a step ago: waits for that step's copy, not for this step
-            code, loss_bad, norm_bad = flags.tolist()
-            stop = max(stop, code)
+            code, loss_bad, norm_bad, failed = flags.tolist()
+            stop, write_failed = max(stop, code), write_failed or bool(failed)
             for at, what, flag in ((step - 1, "gradient norm", norm_bad), (step, "loss", loss_bad)):
                 if flag and bad is None:
                     bad = (at, what)
-        return stop, bad
+        return stop, bad, write_failed
 
 
 def _draw_figures(sd: dict, model_config: dict, images: torch.Tensor | None, out: Path) -> list[Path]:
@@ -177,9 +182,13 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
     def check(lag: bool, settle: bool = False) -> float:
         """The agreed stop code; raises NonFiniteLoss (on every rank alike) before anything is saved.
         ``settle``: also this step's gradient norm (before a checkpoint; a host sync)."""
-        stop, bad = agree.settle(step, norm_bad) if settle else agree.read(lag=lag)
+        stop, bad, write_failed = agree.settle(step, norm_bad) if settle else agree.read(lag=lag)
+        if write_failed:  # every rank alike, at this step boundary; the last complete checkpoint stays
+            tracker.close(status="FAILED", timeout=10.0)
+            checkpoints.wait()  # raises CheckpointWriteFailed on every rank
         if bad is not None:
             at, what = bad
+            checkpoints.wait(check=False)  # the write in flight holds a step before the bad one
             tracker.close(status="FAILED", timeout=10.0)
             raise NonFiniteLoss(f"step {at}: non-finite {what} (lr {run.schedule(at - 1):.3g}); stopped before saving "
                                 f"it; last complete checkpoint: {ckpt_lib.latest_checkpoint(run.run_dir) or 'none'}")
@@ -190,7 +199,8 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
         hang.stop()  # the save has the collective timeout
         stop = max(stop, check(lag=False, settle=True))  # every rank reads every posted step before agreeing
         reason = stops.agreed(stop, stops.stop_reason())
-        rank0_print(f"stopping at step {step} ({reason}); checkpoint {checkpoints.save(step)}")
+        # the write in flight first, then this step's, waited for: the job ends once it is published
+        rank0_print(f"stopping at step {step} ({reason}); checkpoint {checkpoints.save(step, wait=True)}")
         tracker.close(timeout=min(run.close_timeout, 10.0))
         return Result("stopped", step, str(run.run_dir), reason=reason, loss=log.latest.get("loss"),
                       data_wait=train_log.data_wait, mlflow_run_id=tracker.run_id)
@@ -240,7 +250,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
         sync = checkpoints.due(step + 1) or any(task.due(step + 1) for task in run.periodic)
 
         step_sums, images = forward_backward(batches, step)
-        agree.post(step + 1, stops.stop_reason(), step_sums[0], norm_bad)
+        agree.post(step + 1, stops.stop_reason(), step_sums[0], norm_bad, checkpoints.failed)
         stop = max(stop, check(lag=not sync))  # a non-finite loss stops before this optimizer step
         engine.step()  # the boundary: clip, optimizer update
         norm_bad = eng_lib.nonfinite_grad_norm(engine, device)  # read with the next step's flags
@@ -261,7 +271,8 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
 
     # the end: final checkpoint (unless this step's is saved), consolidated fp32 weights, artifacts
     hang.stop()
-    checkpoints.maybe_save(step, last_step=True, before=settle)
+    checkpoints.maybe_save(step, last_step=True, before=settle, wait=True)
+    checkpoints.wait()  # a background write of the last step: the run succeeds once it is published
     run_dir = run.run_dir
     weights = run_dir / "model.safetensors"
     result = Result("completed", step, str(run_dir), loss=log.latest.get("loss"), val_top1=log.latest.get("val_top1"),

@@ -82,9 +82,9 @@ def shards(tmp_path_factory) -> Path:
     return out
 
 
-def _pretrain(run_dir: Path, data: Path, env: dict | None = None) -> int:
+def _pretrain(run_dir: Path, data: Path, env: dict | None = None, *overrides: str) -> int:
     # DS_ACCELERATOR=cpu comes from tests/conftest.py: the stage must override it on a GPU node
-    return run_local(["pretrain", "--config", TINY, f"run.dir={run_dir}", f"data.path={data}", *RUN], 1,
+    return run_local(["pretrain", "--config", TINY, f"run.dir={run_dir}", f"data.path={data}", *RUN, *overrides], 1,
                      env=env, timeout=600)
 
 
@@ -96,7 +96,8 @@ def test_nccl_zero2_bf16_kill_resume_and_eval(shards, tmp_path):
     assert all(math.isfinite(v) for v in want.values()) and want[6] < want[1]
     _assert_trained_on_cuda(ref)
 
-    rc = _pretrain(run, shards, env={"VITP_TEST_KILL_AT_STEP": "5", "VITP_TEST_KILL_RANK": "0"})
+    # inline saves: step 4's checkpoint is published before the kill
+    rc = _pretrain(run, shards, {"VITP_TEST_KILL_AT_STEP": "5", "VITP_TEST_KILL_RANK": "0"}, "checkpoint.async=false")
     assert rc != 0  # SIGKILLed before step 5
     assert sorted(_losses(run)) == [1, 2, 3, 4]
     assert (run / "checkpoints/LATEST").read_text().strip() == "step-00000004"

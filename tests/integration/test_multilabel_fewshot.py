@@ -103,7 +103,9 @@ def test_sigmoid_multilabel_pretrain_logs_precision_at_1_and_fewshot(reference, 
 @pytest.mark.timeout(1800)  # a loaded 2-core machine ran it past the default 900 s
 def test_kill_inside_an_evaluator_resumes_bit_exact_and_logs_each_step_once(reference, data, tmp_path):
     # nothing is sent while it runs: what rank 0 holds when its peer dies must reach MLflow at its exit
-    rc = pretrain(tmp_path, data, {"VITP_TEST_KILL_DURING_FEWSHOT": "4"}, "tracking.flush_every_s=600")
+    # inline saves: step 4's checkpoint is published before the evaluator that the kill lands in
+    rc = pretrain(tmp_path, data, {"VITP_TEST_KILL_DURING_FEWSHOT": "4"}, "tracking.flush_every_s=600",
+                  "checkpoint.async=false")
     assert rc != 0
     assert steps_with(tmp_path, "loss") == [1, 2, 3, 4] and steps_with(tmp_path, "fewshot/seconds") == [2]
     assert (tmp_path / "checkpoints/LATEST").read_text().strip() == "step-00000004"  # saved before the evaluator

@@ -20,7 +20,8 @@ from launch.local import run_local
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["data.path=synthetic:classes=4,train=256,val=32", "model.depth=1", "train.steps=8", "train.log_every=4",
-             "checkpoint.every=4", "tracking.enabled=false", "schedule.warmup_steps=2", "data.workers=0"]
+             "checkpoint.every=4", "tracking.enabled=false", "schedule.warmup_steps=2", "data.workers=0",
+             "checkpoint.async=false"]  # inline saves: step 4's checkpoint is published before the kill at 7
 
 
 class Tally:

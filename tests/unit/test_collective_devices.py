@@ -64,9 +64,9 @@ def test_training_loop_agreement_and_window_stay_on_the_device(meta_group, monke
     norm_bad = torch.zeros((), device=META)
     agree.post(1, "requeue", step_sums[0], norm_bad)
     agree.post(2, None, step_sums[0], norm_bad)
-    assert agree.read(lag=True) == (0.0, None)  # the host stand-in reads back zeros
+    assert agree.read(lag=True) == (0.0, None, False)  # the host stand-in reads back zeros
     assert len(agree.pending) == 1 and agree.pending[0][0] == 2
-    assert agree.settle(2, norm_bad) == (0.0, None) and agree.pending == []
+    assert agree.settle(2, norm_bad) == (0.0, None, False) and agree.pending == []
     assert window.reduce(0.25) == (0.0, 0.0, 0, 0.0) and window.steps == 0
     assert seen == [META] * 4
 

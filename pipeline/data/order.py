@@ -1,0 +1,163 @@
+"""The epoch's global sample order: a function of (seed, epoch, dataset) only, cut the same way at any
+world size, worker count or micro batch.
+
+Order of epoch e over a split of N samples (``lanes`` C and ``shuffle_buffer`` S are data settings,
+part of the order; ranks and workers are not)::
+
+    shards permuted with (seed, e) → one sequence of N samples
+    cut into C lanes of L = N // C contiguous samples (the last N - C·L form the order's tail;
+                                                 C is cut to N // S so that a lane holds a window)
+    lane c: its L samples permuted window by window (S samples each, seed (seed, e, c, window))
+    order[t] = lane t % C, its (t // C)-th sample                 (t < C·L; then the tail, in order)
+
+Interleaving the lanes makes every global batch draw from C places spread over the whole dataset
+(as many shuffle-buffer streams do), windows mix within a lane. The global batch g of G samples is
+``order[g·G : (g+1)·G]``; rank r of W takes ``[r·G/W, (r+1)·G/W)`` of it, as G/(W·B) micro-batches
+of B in a row; DataLoader worker d of n makes every n-th micro-batch. Sample ``t`` is augmented with
+seed (seed, e, t): the pixels of a sample do not depend on who reads it. An epoch is
+``N // G`` global batches; resuming after step g at any layout with the same G (and dataset, seed,
+lanes, S) continues at ``order[(g+1)·G]``: no sample is seen twice or skipped.
+
+Reading: a micro-batch's positions are read as contiguous runs (usually one sample each) from the
+sample's byte offset (prep records offsets), so a local or parallel file system pays one open and
+seek per sample; a remote store pays one ranged request per run (``data.order: rank`` reads long
+contiguous ranges instead, at the price of a layout-bound order).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+
+import numpy as np
+from torch.utils.data import IterableDataset
+
+from data_prep import store
+
+from .augment import augment_batch, sample_seed
+from .shards import DataError, SkipCounts, SplitInfo, range_stop, read_slices
+from .workers import current, io_report, wire
+
+
+class GlobalOrder:
+    """The epoch's order as split positions; ``positions(a, b)`` → int64 ``[b - a]`` (any slice,
+    without materialising the N-sample order: memory is C lanes' current window)."""
+
+    def __init__(self, seed: int, epoch: int, lengths, lanes: int, window: int):
+        self.seed, self.epoch = int(seed), int(epoch)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        self.n = int(lengths.sum())
+        self.window = max(1, min(int(window), self.n))
+        self.lanes = max(1, min(int(lanes), self.n // self.window))  # a lane holds at least one window
+        self.lane_len = self.n // self.lanes
+        shard_order = np.random.default_rng([self.seed, self.epoch, 0]).permutation(len(lengths))
+        self._seq_cum = np.concatenate([[0], np.cumsum(lengths[shard_order])])  # sequence → shard in order
+        self._shard_first = np.concatenate([[0], np.cumsum(lengths)])[shard_order]  # its first split position
+        self._perm = functools.lru_cache(maxsize=4 * self.lanes)(self._window_perm)
+
+    def _window_perm(self, lane: int, w: int) -> np.ndarray:
+        size = min(self.window, self.lane_len - w * self.window)
+        return np.random.default_rng([self.seed, self.epoch, 5, lane, w]).permutation(size)
+
+    def sequence_index(self, t: np.ndarray) -> np.ndarray:
+        """Order indices → indices into the epoch's shard-permuted sequence."""
+        out = t.copy()  # the tail (t >= C·L) stays in sequence order
+        body = t < self.lanes * self.lane_len
+        lane, i = t[body] % self.lanes, t[body] // self.lanes
+        w, within = i // self.window, i % self.window
+        perm = np.array([self._perm(int(c), int(k))[int(j)] for c, k, j in zip(lane, w, within)], dtype=np.int64)
+        out[body] = lane * self.lane_len + w * self.window + perm
+        return out
+
+    def positions(self, a: int, b: int) -> np.ndarray:
+        """Split positions (shards in their listed order) of order indices ``[a, b)``; past the end the
+        order wraps (a split smaller than one global batch)."""
+        q = self.sequence_index(np.arange(a, b, dtype=np.int64) % self.n)
+        j = np.searchsorted(self._seq_cum, q, side="right") - 1
+        return self._shard_first[j] + (q - self._seq_cum[j])
+
+
+def read_at(sp: SplitInfo, positions: np.ndarray, counts: SkipCounts, **kw) -> dict[int, tuple]:
+    """Samples at split ``positions`` (any order) → {position: (key, bytes, label)}; a position a cut-off
+    or unreadable shard lost is absent. Each contiguous run within a shard is one read from its first
+    sample's offset, so a bad sample between valid ones is counted by the one reader whose run holds
+    the valid sample after it (each once across ranks and workers)."""
+    cum = np.concatenate([[0], np.cumsum(sp.lengths)])
+    pos = np.unique(np.asarray(positions, dtype=np.int64))
+    shard = np.searchsorted(cum, pos, side="right") - 1
+    out: dict[int, tuple] = {}
+    start = 0
+    for k in range(1, len(pos) + 1):
+        if k < len(pos) and shard[k] == shard[start] and pos[k] == pos[k - 1] + 1:
+            continue
+        s, lo = int(shard[start]), int(pos[start] - cum[shard[start]])
+        hi = lo + k - start
+        got = read_slices(sp.urls, [(s, lo, range_stop(hi, sp.lengths[s]), None)], counts, keep=sp.keep, **kw)
+        out.update(zip(pos[start:k].tolist(), got))  # a cut shard yields a prefix of its run
+        start = k
+    return out
+
+
+def micro_batch(p, order: GlobalOrder, j: int, tf, counts: SkipCounts, seen_bad: set):
+    """Micro-batch ``j`` of rank ``p.rank`` in the epoch (``p``: the loader's StreamSpec) →
+    (images uint8 [B, 3, S, S], labels, keys); ``tf``: its TrainTransform. A sample that cannot be
+    read or decoded is replaced by another of its micro-batch (the batch keeps its size and place)."""
+    B, G = p.micro_batch, p.global_batch
+    accum = G // (p.world_size * B)
+    t0 = (j // accum) * G + p.rank * (G // p.world_size) + (j % accum) * B
+    kw = dict(num_classes=p.num_classes, multi_label=p.multi_label, policy=p.policy)
+    pos = order.positions(t0, t0 + B).tolist()
+    got = read_at(p.split, pos, counts, **kw)
+    items = [got.get(q) for q in pos]
+
+    def undecodable(key, err):
+        if key not in seen_bad:  # another epoch or a fill meets it again
+            seen_bad.add(key)
+            counts.add("undecodable_image")
+            warnings.warn(f"sample {key}: {err}; skipped", stacklevel=2)
+
+    seed, e, t = p.seed, order.epoch, t0 + B
+    while True:
+        fill = [x for x in items if x is not None]
+        if fill:
+            items = [x if x is not None else fill[i % len(fill)] for i, x in enumerate(items)]
+            out = augment_batch(items, tf, [sample_seed(seed, e, t0 + i) for i in range(B)],
+                                lambda i: sample_seed(seed, e, t0 + i, 1), undecodable,
+                                p.num_classes if p.multi_label else None)
+            if out is not None:
+                return out
+        # nothing in the batch reads or decodes (a lost shard): fill it from the order's next samples,
+        # read again uncounted (their own batches count them)
+        if t - t0 >= order.n:
+            raise DataError(f"{p.split.name}: no sample of epoch {order.epoch} reads and decodes "
+                            f"(shards {sorted({store.public(u) for u in p.split.urls})[:4]}...)")
+        counts.active = False
+        more = read_at(p.split, order.positions(t, t + B), counts, **kw)
+        counts.active = True
+        items, t = list(more.values()), t + B
+
+
+class GlobalOrderRun(IterableDataset):
+    """A rank's micro-batches from (``epoch``, ``start``) on, for ``epochs`` epochs (None: without end).
+    DataLoader hands out an iterable dataset's items round-robin over its workers, so worker d of n
+    makes micro-batches d, d + n, ... of the run; each is placed by the order alone, so the batches
+    do not depend on the worker count, and workers persist across epochs."""
+
+    def __init__(self, loader, epoch: int, start: int, epochs: int | None = None):
+        self.spec, self.epoch, self.start, self.epochs = loader.stream_spec(), epoch, start, epochs
+
+    def __iter__(self):
+        p = self.spec
+        d, n = current()
+        m, tf, order = p.micro_batches, p.transform(), None
+        counts, seen_bad = SkipCounts(), set()
+        end = None if self.epochs is None else self.epochs * m
+        for k in itertools.count(self.start + d, n):
+            if end is not None and k >= end:
+                return
+            epoch = self.epoch + k // m
+            if order is None or order.epoch != epoch:
+                order = GlobalOrder(p.seed, epoch, p.split.lengths, p.lanes, p.shuffle_buffer)
+            out = micro_batch(p, order, k % m, tf, counts, seen_bad)
+            yield wire((*out, counts.take(), io_report()))

@@ -38,6 +38,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from data_prep import store
+from pipeline import faults
 
 from .augment import (
     EvalTransform,
@@ -233,6 +234,7 @@ class TrainLoader:
                 self.skipped[k] = self.skipped.get(k, 0) + v
             self._io[io[0]] = io[1:]
             self.position = (self.epoch, self.step)
+            faults.record_read(self.rank, self.epoch, self.step, keys)
             self.step += 1
             yield (images, labels, keys) if self.return_keys else (images, labels)
 

@@ -36,7 +36,7 @@ from torch.utils.data import IterableDataset
 from data_prep import store
 
 from .augment import augment_batch, sample_seed
-from .shards import DataError, SkipCounts, SplitInfo, range_stop, read_slices
+from .shards import DataError, SkipCounts, SplitInfo, range_stop, read_slices, shard_offsets
 from .workers import current, io_report, wire
 
 
@@ -78,38 +78,51 @@ class GlobalOrder:
         return self._shard_first[j] + (q - self._seq_cum[j])
 
 
-def read_at(sp: SplitInfo, positions: np.ndarray, counts: SkipCounts, **kw) -> dict[int, tuple]:
+GAP = 64  # wanted samples further apart than this in a shard with offsets: read as two slices
+
+
+def read_at(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> dict[int, tuple]:
     """Samples at split ``positions`` (any order) → {position: (key, bytes, label)}; a position a cut-off
-    or unreadable shard lost is absent. Each contiguous run within a shard is one read from its first
-    sample's offset, so a bad sample between valid ones is counted by the one reader whose run holds
-    the valid sample after it (each once across ranks and workers)."""
+    or unreadable shard lost is absent. Per shard, one pass from the first wanted sample to the last
+    (image bytes of wanted ones only), split where wanted samples lie more than GAP apart and the
+    shard's offsets let a read start there. A bad sample is counted by the reader of the valid sample
+    after it (read_shard), so each once across ranks and workers."""
     cum = np.concatenate([[0], np.cumsum(sp.lengths)])
     pos = np.unique(np.asarray(positions, dtype=np.int64))
     shard = np.searchsorted(cum, pos, side="right") - 1
     out: dict[int, tuple] = {}
-    start = 0
-    for k in range(1, len(pos) + 1):
-        if k < len(pos) and shard[k] == shard[start] and pos[k] == pos[k - 1] + 1:
-            continue
-        s, lo = int(shard[start]), int(pos[start] - cum[shard[start]])
-        hi = lo + k - start
-        got = read_slices(sp.urls, [(s, lo, range_stop(hi, sp.lengths[s]), None)], counts, keep=sp.keep, **kw)
-        out.update(zip(pos[start:k].tolist(), got))  # a cut shard yields a prefix of its run
-        start = k
+    for s in np.unique(shard).tolist():
+        local = (pos[shard == s] - cum[s]).tolist()
+        seekable = shard_offsets(sp.urls[s]) is not None
+        cuts = [i for i in range(1, len(local)) if seekable and local[i] - local[i - 1] > GAP]
+        for a, b in zip([0, *cuts], [*cuts, len(local)]):
+            run = local[a:b]
+            lo, hi = run[0], run[-1] + 1
+            want = None if hi - lo == len(run) else set(run)
+            got = read_slices(sp.urls, [(s, lo, range_stop(hi, sp.lengths[s]), want)], counts, keep=sp.keep, **kw)
+            out.update(zip((int(cum[s]) + q for q in run), got))  # a cut shard yields a prefix of its run
     return out
 
 
-def micro_batch(p, order: GlobalOrder, j: int, tf, counts: SkipCounts, seen_bad: set):
-    """Micro-batch ``j`` of rank ``p.rank`` in the epoch (``p``: the loader's StreamSpec) →
-    (images uint8 [B, 3, S, S], labels, keys); ``tf``: its TrainTransform. A sample that cannot be
-    read or decoded is replaced by another of its micro-batch (the batch keeps its size and place)."""
+def first_index(p, j: int) -> int:
+    """Where micro-batch ``j`` of rank ``p.rank``'s epoch starts in the order (``p``: its StreamSpec):
+    step j // accum's global batch, this rank's share, its (j % accum)-th micro-batch."""
     B, G = p.micro_batch, p.global_batch
     accum = G // (p.world_size * B)
-    t0 = (j // accum) * G + p.rank * (G // p.world_size) + (j % accum) * B
-    kw = dict(num_classes=p.num_classes, multi_label=p.multi_label, policy=p.policy)
-    pos = order.positions(t0, t0 + B).tolist()
-    got = read_at(p.split, pos, counts, **kw)
-    items = [got.get(q) for q in pos]
+    return (j // accum) * G + p.rank * (G // p.world_size) + (j % accum) * B
+
+
+def reader_kw(p) -> dict:
+    return dict(num_classes=p.num_classes, multi_label=p.multi_label, policy=p.policy)
+
+
+def micro_batch(p, order: GlobalOrder, t0: int, got: dict, tf, counts: SkipCounts, seen_bad: set):
+    """The micro-batch at order indices ``[t0, t0 + B)`` (``p``: the loader's StreamSpec; ``got``: the
+    samples read, by split position) → (images uint8 [B, 3, S, S], labels, keys); ``tf``: the
+    TrainTransform. A sample that cannot be read or decoded is replaced by another of its
+    micro-batch (the batch keeps its size and place)."""
+    B, kw = p.micro_batch, reader_kw(p)
+    items = [got.get(q) for q in order.positions(t0, t0 + B).tolist()]
 
     def undecodable(key, err):
         if key not in seen_bad:  # another epoch or a fill meets it again
@@ -142,7 +155,8 @@ class GlobalOrderRun(IterableDataset):
     """A rank's micro-batches from (``epoch``, ``start``) on, for ``epochs`` epochs (None: without end).
     DataLoader hands out an iterable dataset's items round-robin over its workers, so worker d of n
     makes micro-batches d, d + n, ... of the run; each is placed by the order alone, so the batches
-    do not depend on the worker count, and workers persist across epochs."""
+    do not depend on the worker count, and workers persist across epochs. A worker reads the samples
+    of its next micro-batches (about a shuffle buffer's worth) together, a pass per shard."""
 
     def __init__(self, loader, epoch: int, start: int, epochs: int | None = None):
         self.spec, self.epoch, self.start, self.epochs = loader.stream_spec(), epoch, start, epochs
@@ -152,12 +166,18 @@ class GlobalOrderRun(IterableDataset):
         d, n = current()
         m, tf, order = p.micro_batches, p.transform(), None
         counts, seen_bad = SkipCounts(), set()
-        end = None if self.epochs is None else self.epochs * m
-        for k in itertools.count(self.start + d, n):
-            if end is not None and k >= end:
-                return
-            epoch = self.epoch + k // m
-            if order is None or order.epoch != epoch:
-                order = GlobalOrder(p.seed, epoch, p.split.lengths, p.lanes, p.shuffle_buffer)
-            out = micro_batch(p, order, k % m, tf, counts, seen_bad)
-            yield wire((*out, counts.take(), io_report()))
+        ahead = max(1, p.shuffle_buffer // p.micro_batch)  # micro-batches read together
+        mine = itertools.count(self.start + d, n)
+        if self.epochs is not None:
+            mine = itertools.takewhile(lambda k: k < self.epochs * m, mine)
+        while chunk := list(itertools.islice(mine, ahead)):
+            for e, ks in itertools.groupby(chunk, key=lambda k: self.epoch + k // m):
+                ks = list(ks)
+                if order is None or order.epoch != e:
+                    order = GlobalOrder(p.seed, e, p.split.lengths, p.lanes, p.shuffle_buffer)
+                starts = [first_index(p, k % m) for k in ks]
+                got = read_at(p.split, np.concatenate([order.positions(t, t + p.micro_batch) for t in starts]),
+                              counts, **reader_kw(p))
+                for t in starts:
+                    out = micro_batch(p, order, t, got, tf, counts, seen_bad)
+                    yield wire((*out, counts.take(), io_report()))

@@ -253,10 +253,14 @@ def read_shard(url: str, counts: SkipCounts, start: int, stop: int | None, *, nu
     """
     policy = policy or ReadPolicy()
 
+    last = max(want) if want else None
+
     def bad(reason: str) -> None:
         # only the reader whose range holds this position counts it, so a shard read in pieces
-        # by several streams reports each problem once
-        if index >= start and (stop is None or index < stop):
+        # by several streams reports each problem once; with ``want``, the reader of the valid sample
+        # that follows it (or, past a shard's last sample, the reader of that one)
+        if index >= start and (stop is None or index < stop) and (
+                want is None or index in want or (stop is None and last is not None and index > last)):
             counts.add(reason)
 
     index = start

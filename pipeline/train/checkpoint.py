@@ -322,6 +322,7 @@ class CheckpointManager:
                 shutil.rmtree(final)
         wait_for_rank0()  # rank 0 may have had old folders to delete
         eng.save_checkpoint(self.engine, str(r), tmp.name)
+        _dump_optimizer(self.engine, "saved", step)
         own = {n: o.state_dict() for n, o in self.states.items() if self.scopes[n] != "shared"}
         with replacing(tmp / f"vitp_rank{rank}.pt") as part:
             torch.save({"step": step, "rank": rank, "world_size": world, "states": own}, part)
@@ -362,6 +363,19 @@ class CheckpointManager:
                 raise RuntimeError(f"{ckpt}: holds no saved state {name!r} (saved: {sorted(saved) or 'none'}); "
                                    "it was written with another configuration or vitp version")
             obj.load_state_dict(saved[name])
+        _dump_optimizer(self.engine, "resumed", int(own["step"]))
         return Resumed(int(own["step"]), read_manifest(ckpt))
+
+
+def _dump_optimizer(engine, what: str, step: int) -> None:
+    """Collective when asked (a test's seam, pipeline/faults.py): rank 0 writes the full optimizer state."""
+    path = faults.optimizer_dump(what, step)
+    if path is not None:
+        from pipeline.train import engine as eng
+
+        state = eng.full_optimizer_state(engine)
+        if rank_world()[0] == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
 
 

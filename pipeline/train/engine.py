@@ -360,6 +360,28 @@ def load_checkpoint(engine, load_dir: str, tag: str) -> dict:
     return client or {}
 
 
+def full_optimizer_state(engine) -> dict:
+    """Collective (ZeRO-3 gathers): the optimizer state as world-size-independent tensors, so states
+    saved and resumed at different rank counts can be compared: {param name: {"fp32", "exp_avg",
+    "exp_avg_sq"}} (each the parameter's full shape, on the CPU) plus "_steps" (Adam's step count per
+    partition, a sorted list) and "_lr" (each param group's lr)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link the moments' views lazily
+        opt._hp_optimizer_states_linked = False  # (at a step; none has run right after a load)
+        opt._lazy_init_hp_params_optimizer_state()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        got = {"fp32": safe_get_full_fp32_param(p), **{k: safe_get_full_optimizer_state(p, k)
+                                                       for k in ("exp_avg", "exp_avg_sq")}}
+        out[name] = {k: v.detach().float().cpu().clone() for k, v in got.items() if v is not None}
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    out["_steps"] = sorted({int(st["step"]) for st in inner.state.values() if "step" in st})
+    out["_lr"] = [float(g["lr"]) for g in inner.param_groups]
+    return out
+
+
 def saved_world_size(ckpt_dir: str) -> int:
     """Data-parallel ranks that wrote ``ckpt_dir`` (one ZeRO optimizer file each; 1 without ZeRO)."""
     return max(1, len(glob.glob(os.path.join(ckpt_dir, "*_optim_states.pt"))))

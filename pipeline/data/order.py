@@ -78,6 +78,7 @@ class GlobalOrder:
         return self._shard_first[j] + (q - self._seq_cum[j])
 
 
+READ_AHEAD = 1024  # samples a worker reads together at most (a shuffle buffer's worth, up to this)
 GAP = 64  # wanted samples further apart than this in a shard with offsets: read as two slices
 
 
@@ -156,7 +157,7 @@ class GlobalOrderRun(IterableDataset):
     DataLoader hands out an iterable dataset's items round-robin over its workers, so worker d of n
     makes micro-batches d, d + n, ... of the run; each is placed by the order alone, so the batches
     do not depend on the worker count, and workers persist across epochs. A worker reads the samples
-    of its next micro-batches (about a shuffle buffer's worth) together, a pass per shard."""
+    of its next micro-batches (a shuffle buffer's worth, at most READ_AHEAD) together, a pass per shard."""
 
     def __init__(self, loader, epoch: int, start: int, epochs: int | None = None):
         self.spec, self.epoch, self.start, self.epochs = loader.stream_spec(), epoch, start, epochs
@@ -166,7 +167,7 @@ class GlobalOrderRun(IterableDataset):
         d, n = current()
         m, tf, order = p.micro_batches, p.transform(), None
         counts, seen_bad = SkipCounts(), set()
-        ahead = max(1, p.shuffle_buffer // p.micro_batch)  # micro-batches read together
+        ahead = max(1, min(p.shuffle_buffer, READ_AHEAD) // p.micro_batch)  # micro-batches read together
         mine = itertools.count(self.start + d, n)
         if self.epochs is not None:
             mine = itertools.takewhile(lambda k: k < self.epochs * m, mine)

@@ -357,7 +357,23 @@ def load_checkpoint(engine, load_dir: str, tag: str) -> dict:
                                               load_lr_scheduler_states=False)
     if path is None:
         raise RuntimeError(f"{os.path.join(load_dir, tag)}: DeepSpeed could not load this checkpoint")
+    _own_step_counts(engine)
     return client or {}
+
+
+def _own_step_counts(engine) -> None:
+    """deepspeed 0.19.8's ZeRO-3 universal load gives every sub-group's Adam state one and the same
+    ``step`` tensor, which torch's Adam increments in place once per sub-group: the count then runs
+    ahead by the number of sub-groups each step and the bias correction is wrong from the first step
+    after the resume (a 2-rank run resumed on 1 at step 2 counted 6 at step 4). Each gets its own."""
+    inner = getattr(engine.optimizer, "optimizer", None)
+    seen: set[int] = set()
+    for st in (inner.state.values() if inner is not None and hasattr(inner, "state") else ()):
+        step = st.get("step")
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                st["step"] = step.clone()
+            seen.add(id(step))
 
 
 def full_optimizer_state(engine) -> dict:

@@ -32,8 +32,10 @@ def reads(log: Path, world: int, accum: int) -> dict[int, list[str]]:
     return out
 
 
-def assert_same_state(saved: dict, resumed: dict, what: str):
+def assert_same_state(saved: dict, resumed: dict, step: int):
+    what = f"step {step}"
     assert saved.keys() == resumed.keys(), what
+    assert saved["_steps"] == [step], what  # Adam counted each optimizer step once (fp32: none skipped)
     assert saved["_steps"] == resumed["_steps"] and saved["_lr"] == resumed["_lr"], what
     for name in saved:
         if name.startswith("_"):
@@ -81,4 +83,4 @@ def test_two_ranks_one_rank_two_ranks_inside_the_epoch(tiny_reference, shards, t
     assert lr == {r["step"]: r["lr"] for r in metrics(ref) if "lr" in r}  # the schedule continues
     for step in (2, 4):  # 2 ranks → 1, 1 → 2
         assert_same_state(torch.load(optim / f"saved-{step}.pt", weights_only=True),
-                          torch.load(optim / f"resumed-{step}.pt", weights_only=True), f"step {step}")
+                          torch.load(optim / f"resumed-{step}.pt", weights_only=True), step)

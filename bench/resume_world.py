@@ -33,10 +33,12 @@ sys.path.insert(0, str(ROOT))
 from launch.local import run_local  # noqa: E402
 
 CONFIG = str(ROOT / "configs/pretrain/vit_b16.yaml")
-ARGS = ["model.img_size=32", "data.path=synthetic:train=64,val=0", "data.resampled=false", "data.workers=0",
+ARGS = ["model.img_size=32", "data.path=synthetic:train=64", "data.val_split=", "data.resampled=false",
+        "data.workers=0",
         "engine.precision=fp32", "engine.zero_stage=2", "engine.backend=gloo", "train.global_batch=4",
         "train.micro_batch=2", "train.log_every=1", "train.eval_every=0", "train.fewshot_every=0",
-        "schedule.warmup_steps=1", "checkpoint.every=1", "checkpoint.keep=5", "tracking.enabled=false"]
+        "schedule.warmup_steps=1", "checkpoint.every=1", "checkpoint.keep=5", "tracking.enabled=false",
+        "cluster.gpus_per_node=0", "cluster.tasks_per_node=2", "cluster.nodes=1"]
 
 
 def pretrain(run: Path, steps: int, nprocs: int, log: Path) -> float:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -81,14 +82,17 @@ def make_data(root: Path, n: int, shards: int, classes: int = 10) -> list[tuple[
     for s in range(shards):
         idx = list(range(s, n, shards))
         name = f"train-{s:06d}.tar"
+        offsets = []  # each sample's byte offset, as prep records them in <shard>_stats.json
         with tarfile.open(root / name, "w") as tar:
             for i in idx:
                 data, label = samples[i]
+                offsets.append(tar.offset)
                 for ext, b in (("cls", str(label).encode()), ("jpg", data), ("json", b"{}")):
                     ti = tarfile.TarInfo(f"{i:06d}.{ext}")
                     ti.size = len(b)
                     tar.addfile(ti, io.BytesIO(b))
                 (root / "folder" / f"c{label:02d}" / f"{i:06d}.jpg").write_bytes(data)
+        (root / f"train-{s:06d}_stats.json").write_text(json.dumps({"count": len(idx), "offsets": offsets}))
         files.append(name)
         lengths.append(len(idx))
     info = DatasetInfo({"train": SplitShards("train", tuple(files), tuple(lengths), n)}, num_classes=classes)

@@ -18,10 +18,11 @@ seed (seed, e, t): the pixels of a sample do not depend on who reads it. An epoc
 ``N // G`` global batches; resuming after step g at any layout with the same G (and dataset, seed,
 lanes, S) continues at ``order[(g+1)·G]``: no sample is seen twice or skipped.
 
-Reading: a micro-batch's positions are read as contiguous runs (usually one sample each) from the
-sample's byte offset (prep records offsets), so a local or parallel file system pays one open and
-seek per sample; a remote store pays one ranged request per run (``data.order: rank`` reads long
-contiguous ranges instead, at the price of a layout-bound order).
+Reading: a worker reads the samples of its next micro-batches together (a shuffle buffer's worth,
+at most READ_AHEAD), per shard one pass from the first wanted sample to the last, split at gaps wider
+than GAP where prep's offsets let a read start mid-shard; a local file seeks over what it skips, a
+remote store is asked for each part's bytes only (``data.order: rank`` reads long contiguous ranges
+instead, at the price of a layout-bound order).
 """
 
 from __future__ import annotations

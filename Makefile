@@ -78,6 +78,7 @@ bench: $(STAMP)
 	$(PY) bench/fewshot_eval.py
 	$(PY) bench/patch_drop_quality.py
 	$(PY) bench/checkpoint.py
+	$(PY) bench/resume_world.py
 
 # The peer for `vitp prep`: img2dataset in its own venv (never a vitp dependency), same images and
 # worker count, over loopback HTTP; prints `ratio prep_vs_img2dataset`.

@@ -9,6 +9,8 @@ Same ~500×375 JPEGs, same worker count, train transform at 224 (inception crop 
   timm_wds      timm's own WebDataset reader over the same shards + timm.data.create_loader
                 (same crop scale, flip, no colour jitter; its uint8 fast_collate batches)
   vitp_1w       vitp with one worker, for the scaling ratio
+  vitp_rank     vitp with ``data.order: rank`` (each rank/worker reads its own contiguous range through a
+                shuffle buffer; the order before the global one), against the default global order
   cpu_1p/cpu_Np the per-sample transform alone in 1 and in N (= --workers) plain processes, no loader:
                 what the machine itself gives for N processes of this work (context for 2w vs 1w)
 
@@ -20,8 +22,8 @@ prefetcher and the float ToTensor+Normalize recipe allocate a fresh float batch 
 Each rep runs every pipeline once, in alternating order. A ratio is the median over reps of the
 ratio within each rep, so machine-speed drift between reps (±15% on a shared VM) cancels; the
 per-rep ratios and each pipeline's best rep are printed too.
-Prints ``ratio loader_vs_inmemory``, ``loader_vs_imagefolder``, ``loader_2w_vs_1w``, ``loader_vs_timm_wds``
-and ``machine_Np_vs_1p``.
+Prints ``ratio loader_vs_inmemory``, ``loader_vs_imagefolder``, ``loader_2w_vs_1w``, ``loader_vs_timm_wds``,
+``loader_global_order_vs_rank_order`` and ``machine_Np_vs_1p``.
 
 Example:  python bench/loader.py --quick
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import multiprocessing as mp
 import os
 import statistics
@@ -79,14 +82,17 @@ def make_data(root: Path, n: int, shards: int, classes: int = 10) -> list[tuple[
     for s in range(shards):
         idx = list(range(s, n, shards))
         name = f"train-{s:06d}.tar"
+        offsets = []  # each sample's byte offset, as prep records them in <shard>_stats.json
         with tarfile.open(root / name, "w") as tar:
             for i in idx:
                 data, label = samples[i]
+                offsets.append(tar.offset)
                 for ext, b in (("cls", str(label).encode()), ("jpg", data), ("json", b"{}")):
                     ti = tarfile.TarInfo(f"{i:06d}.{ext}")
                     ti.size = len(b)
                     tar.addfile(ti, io.BytesIO(b))
                 (root / "folder" / f"c{label:02d}" / f"{i:06d}.jpg").write_bytes(data)
+        (root / f"train-{s:06d}_stats.json").write_text(json.dumps({"count": len(idx), "offsets": offsets}))
         files.append(name)
         lengths.append(len(idx))
     info = DatasetInfo({"train": SplitShards("train", tuple(files), tuple(lengths), n)}, num_classes=classes)
@@ -147,8 +153,8 @@ def pipelines(root: Path, samples, batch: int, workers: int):
 
     cfg = DataCfg(path=str(root), workers=workers, shuffle_buffer=256, crop_scale=list(SCALE))
 
-    def vitp(w):
-        return lambda: TrainLoader(cfg, img_size=SIZE, micro_batch=batch, global_batch=batch, rank=0, world_size=1,
+    def vitp(w, c=cfg):
+        return lambda: TrainLoader(c, img_size=SIZE, micro_batch=batch, global_batch=batch, rank=0, world_size=1,
                                    seed=0, num_workers=w)
 
     def inmem():
@@ -172,7 +178,8 @@ def pipelines(root: Path, samples, batch: int, workers: int):
         return loader.loader  # the DataLoader inside timm's PrefetchLoader: uint8 batches, for `consume`
 
     return {"vitp": vitp(workers), "inmemory": inmem, "imagefolder": folder, "timm_wds": timm_wds,
-            "vitp_1w": vitp(1), "cpu_1p": lambda: PlainProcesses(samples, 1),
+            "vitp_1w": vitp(1), "vitp_rank": vitp(workers, cfg.model_copy(update={"order": "rank"})),
+            "cpu_1p": lambda: PlainProcesses(samples, 1),
             f"cpu_{workers}p": lambda: PlainProcesses(samples, workers)}
 
 
@@ -242,6 +249,7 @@ def main(argv=None) -> None:
     for label, num, den in (("loader_vs_inmemory", "vitp", "inmemory"),
                             ("loader_vs_imagefolder", "vitp", "imagefolder"),
                             ("loader_2w_vs_1w", "vitp", "vitp_1w"), ("loader_vs_timm_wds", "vitp", "timm_wds"),
+                            ("loader_global_order_vs_rank_order", "vitp", "vitp_rank"),
                             (f"machine_{w}p_vs_1p", f"cpu_{w}p", "cpu_1p")):
         if num in runs and den in runs:
             per_rep = [x / y for x, y in zip(runs[num], runs[den])]

@@ -33,6 +33,11 @@ job's first attempt only.
 Inf gradient, :func:`poison_grad`: VITP_TEST_INF_GRAD_AT_STEP=k makes step k's loss back-propagate an inf
 gradient on rank VITP_TEST_KILL_RANK (its value stays finite), as an overflow in one rank's backward would.
 
+Records, not faults: VITP_TEST_READ_LOG=P appends the keys of each training micro-batch a rank's loader
+hands out to ``P.<rank>`` (:func:`record_read`: which samples were read, counted by a test);
+VITP_TEST_OPTIM_DUMP=D writes the full optimizer state (rank 0, ``D/saved-<step>.pt`` at each save,
+``D/resumed-<step>.pt`` after a resume; :func:`optimizer_dump`) so a test compares them across world sizes.
+
 Pause gate, event "step": VITP_TEST_PAUSE_AT_STEP=k[,k2...] (0: before the stage starts, see
 launch/preempt.py) with VITP_TEST_PAUSE_FILE=P holds every rank before step k. Each rank writes
 ``P.k.reached.<rank>``, then waits until ``P.k`` exists (at most VITP_TEST_PAUSE_TIMEOUT_S, default
@@ -47,6 +52,7 @@ meanwhile): a signal can land while a write is in flight.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -71,6 +77,8 @@ PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
 PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
 PAUSE_TIMEOUT_S = "VITP_TEST_PAUSE_TIMEOUT_S"
 HOLD_WRITE = "VITP_TEST_HOLD_WRITE"
+READ_LOG = "VITP_TEST_READ_LOG"
+OPTIM_DUMP = "VITP_TEST_OPTIM_DUMP"
 
 _KILL = {"step": KILL_AT_STEP, "save": KILL_DURING_SAVE, "save_begin": KILL_BEFORE_WRITE, "publish": KILL_AT_PUBLISH,
          "fewshot": KILL_DURING_FEWSHOT, "prep_sample": PREP_KILL_AT}
@@ -151,3 +159,19 @@ def _gate(base: str) -> None:
         time.sleep(0.02)
     if not noted and stops.stop_reason() is not None:
         atomic_write(Path(f"{base}.stop.{rank}"), stops.stop_reason())
+
+
+def record_read(rank: int, epoch: int, step: int, keys) -> None:
+    """The seam where a training loader hands out micro-batch ``step`` of ``epoch``: its sample keys
+    are appended to VITP_TEST_READ_LOG's ``.<rank>`` file when that is set."""
+    log = os.environ.get(READ_LOG)
+    if log:
+        with open(f"{log}.{rank}", "a") as f:
+            f.write(json.dumps({"epoch": epoch, "step": step, "keys": list(keys)}) + "\n")
+
+
+def optimizer_dump(what: str, step: int) -> Path | None:
+    """Where to write the full optimizer state at ``what`` ("saved" or "resumed") of ``step``, when
+    VITP_TEST_OPTIM_DUMP asks for it; else None."""
+    d = os.environ.get(OPTIM_DUMP)
+    return Path(d) / f"{what}-{step}.pt" if d else None

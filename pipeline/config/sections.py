@@ -162,7 +162,12 @@ class DataCfg(Section):
     val_split: Str | None = "val"
     workers: Int = Field(2, ge=0)
     shuffle_buffer: Int = Field(1000, ge=0)
-    resampled: Bool = False  # sample shards with replacement (pre-training at scale)
+    resampled: Bool = False  # sample shards with replacement (pre-training at scale; implies order: rank)
+    # the epoch's sample order (pipeline/data/order.py): "global", one order of (seed, epoch, dataset),
+    # cut into global batches, so a resume at another world size continues inside the epoch; "rank",
+    # each rank and worker reads its own contiguous range (long sequential reads, layout-bound order)
+    order: one_of("global", "rank") = "global"
+    lanes: Int = Field(64, ge=1)  # global order: places in the dataset each global batch draws from
     crop_scale: List(Float) = Field(default_factory=lambda: [0.08, 1.0])
     hflip: Bool = True
     random_crop: Bool = True  # false: no inception crop, the whole image resized (VTAB counts, distances)

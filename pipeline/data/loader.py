@@ -5,15 +5,15 @@ shard_lengths, num_samples; num_classes; classes) and tars whose samples are ``<
 text), ``<key>.jpg|png|webp`` and ``<key>.json``. A multi-label dataset (``"multi_label": true``)
 gives multi-hot labels bool ``[B, K]`` from the json's ``labels`` instead of int64 ``[B]``.
 
-A training epoch is a pure function of (seed, epoch, rank, stream), a stream being one worker:
-the shards, permuted with (seed, epoch), form one sample sequence (lengths from ``_info.json``);
-each (rank, stream) owns a contiguous range of exactly ``batches × micro_batch`` samples of it
-(every sample once per epoch across ranks; the ``num_samples % global_batch`` tail is dropped),
-reads it through a seeded shuffle buffer, and re-reads its own range if bad samples left it short.
-Sample ``i`` of a stream is augmented with seed (seed, epoch, rank, stream, i); an undecodable image
-is replaced by another sample of its batch, so batch ``b`` always consumes raw samples
-``[b·B, (b+1)·B)``. Resume = re-create the epoch's streams and skip raw samples without decoding:
-bit-identical continuation. The state (``{"epoch", "step", "seed", ...}``) is equal on all ranks.
+A training epoch follows ``data.order``: ``global`` (the default, :mod:`.order`) cuts one order of
+the epoch's samples, a function of (seed, epoch, dataset) only, into global batches, each rank and
+worker taking its share; ``rank`` (and ``data.resampled``, :mod:`.rank_order`) gives each (rank,
+worker) its own contiguous range read through a shuffle buffer. Either way every sample is seen once
+per epoch across ranks (the ``num_samples % global_batch`` tail is dropped), and a resume at the same
+layout continues bit for bit. At another world size, worker count or micro batch the global order
+continues inside the epoch as long as the global batch and dataset are the same; otherwise the
+resume starts the next epoch, with a warning. The state (``{"epoch", "step", "seed", ...}``) is equal
+on all ranks.
 
 Batches go out as uint8; the training loop normalises on the device::
 
@@ -31,26 +31,24 @@ import itertools
 import math
 import os
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset
 
 from data_prep import store
+from pipeline import faults
 
 from .augment import (
     EvalTransform,
     TrainTransform,
-    augment_batch,
     eval_batch,
     normalize,
-    sample_seed,
-    shuffle_buffer,
 )
 from .minival import evaluated_split, training_split
-from .resume import dropping, resumed
+from .order import GlobalOrderRun
+from .rank_order import RankOrderRun
 from .shards import (  # noqa: F401 (re-exported: callers import the dataset API from here)
     SKIP_REASONS,
     DataError,
@@ -60,15 +58,12 @@ from .shards import (  # noqa: F401 (re-exported: callers import the dataset API
     range_stop,
     read_info,
     read_positions,
-    read_segments,
     read_shard,
-    read_slices,
-    segments,
     shard_labels,
 )
 from .source import ClassLoaders, DataSource
-from .stream import ReadPolicy, io_stats
-from .workers import end_workers, init_worker
+from .stream import ReadPolicy
+from .workers import current, end_workers, init_worker, wire
 
 __all__ = ["Info", "SplitInfo", "read_info", "TrainLoader", "EvalLoader", "normalize", "DataError",
            "SKIP_REASONS", "ShardSource", "StreamSpec", "collate_as_is"]
@@ -85,27 +80,9 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
     return rank, world
 
 
-def _worker() -> tuple[int, int]:
-    wi = get_worker_info()
-    return (0, 1) if wi is None else (wi.id, wi.num_workers)
-
-
-def _io() -> tuple[int, int, float]:
-    """(worker, remote bytes read, seconds since its first remote read): sent with each batch."""
-    st = io_stats()
-    return _worker()[0], st["bytes"], st["seconds"]
-
-
 def collate_as_is(x):
     """The loader's DataLoader collate_fn: batches are made in the workers; numpy arrays stay numpy."""
     return x
-
-
-def _wire(batch: tuple) -> tuple:
-    """Worker side: every tensor after the first (the image batch) as a numpy array, pickled inline
-    with the message. Each tensor sent from a worker is a shared-memory block whose descriptor the
-    main process fetches over a socket (~0.5 ms of both processes' time), so only images go that way."""
-    return tuple(x.numpy() if i and isinstance(x, torch.Tensor) else x for i, x in enumerate(batch))
 
 
 def _unwire(batch: tuple) -> tuple:
@@ -158,6 +135,10 @@ class StreamSpec:
     policy: ReadPolicy = ReadPolicy()  # remote reads: timeout, retries, skip or stop
     seek_resume: bool = True  # resume by replaying the shuffle on positions and seeking (resume.py)
     random_crop: bool = True  # False: the whole image resized (a crop would change the label)
+    order: str = "global"  # "global" (order.py) or "rank" (rank_order.py)
+    global_batch: int = 0  # G = micro_batch × accumulation × world_size
+    world_size: int = 1
+    lanes: int = 64  # global order: see order.py
 
     def quota_start(self, stream: int, n: int) -> int:
         """Where (rank, stream) of ``n`` streams starts in the epoch's sample sequence."""
@@ -168,107 +149,6 @@ class StreamSpec:
     def transform(self) -> TrainTransform:
         return TrainTransform(self.img_size, self.crop_scale, self.hflip, self.randaugment,
                               random_crop=self.random_crop)
-
-
-class _TrainRun(IterableDataset):
-    """A rank's micro-batches from (``epoch``, ``start``) on, for ``epochs`` epochs (None: without
-    end, so one DataLoader's workers serve the whole run instead of restarting every epoch).
-
-    DataLoader hands out an iterable dataset's items round-robin over its workers, so worker d
-    yields every n-th micro-batch of the run. Micro-batch i of an epoch belongs to logical stream
-    i % n (which fixes its samples); worker d therefore serves, in each epoch, the stream whose
-    batches fall on its turns: (start + d) % n in the first epoch, shifted by the batches yielded
-    before each later epoch began. The batches are the same whether workers persist or not.
-    """
-
-    def __init__(self, loader: TrainLoader, epoch: int, start: int, epochs: int | None = None):
-        self.spec, self.epoch, self.start, self.epochs = loader.stream_spec(), epoch, start, epochs
-
-    def __iter__(self):
-        p = self.spec
-        d, n = _worker()
-        m = p.micro_batches
-        before = -self.start  # batches of the run yielded before epoch e begins, minus start
-        for k in itertools.count() if self.epochs is None else range(self.epochs):
-            first = self.start if k == 0 else 0
-            stream = (first + d) % n if k == 0 else (d - before) % n
-            count = m // n + (stream < m % n)
-            done = max(0, -(-(first - stream) // n))
-            yield from map(_wire, _train_stream(p, self.epoch + k, stream, n, count, done))
-            before += m
-
-
-def _raw_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, counts: SkipCounts,
-                skip: int = 0) -> Iterator:
-    """Endless raw samples of (rank, stream) for this epoch after the first ``skip``: its range, then
-    (if bad samples left it short) the range again with a new shuffle; resampled mode draws shards
-    with replacement. A resume (``skip`` > 0) seeks to where the stream was (:func:`.resume.resumed`), or,
-    where that cannot be exact, reads the first ``skip`` samples again and drops them."""
-    seed, rank, sp, K, ml = p.seed, p.rank, p.split, p.num_classes, p.multi_label
-    lengths, urls = list(sp.lengths), sp.urls
-    kw = dict(num_classes=K, multi_label=ml, policy=p.policy, keep=sp.keep)
-    if p.resampled:
-        rng = np.random.default_rng([seed, epoch, rank, stream, 1])
-
-        def draws():
-            while True:
-                got = 0
-                for _ in range(len(urls)):
-                    for x in read_slices(urls, [(int(rng.integers(len(urls))), 0, None, None)], counts, **kw):
-                        got += 1
-                        yield x
-                if not got:
-                    raise DataError(f"{sp.name}: {len(urls)} shards drawn in a row held no readable sample")
-
-        yield from dropping(shuffle_buffer(draws(), p.shuffle_buffer,
-                                            np.random.default_rng([seed, epoch, rank, stream, 2])), skip, counts)
-        return
-    order = np.random.default_rng([seed, epoch, 0]).permutation(len(urls))
-    segs = segments(lengths, order, p.quota_start(stream, n), count * p.micro_batch)
-    for rnd in itertools.count():
-        got = 0
-        counts.rereading = rnd > 0
-        rng = np.random.default_rng([seed, epoch, rank, stream, 3, rnd])
-        if rnd == 0 and skip and p.seek_resume:
-            items, got, skip = resumed(p, segs, counts, rng, skip), skip, 0
-        else:
-            items = shuffle_buffer(read_segments(urls, lengths, segs, counts, **kw), p.shuffle_buffer, rng)
-        for x in items:
-            got += 1
-            if skip:  # a resume that re-reads: these were consumed before the checkpoint (and counted)
-                counts.active = False
-                skip -= 1
-                continue
-            counts.active = True
-            yield x
-        if not got:
-            raise DataError(f"{sp.name}: rank {rank} stream {stream} found no readable sample in its shards "
-                            f"{sorted({store.public(urls[s]) for s, _, _ in segs})}")
-
-
-def _train_stream(p: StreamSpec, epoch: int, stream: int, n: int, count: int, done: int):
-    """Batches ``done .. count-1`` of (rank, stream): (images, labels, keys, skip-count delta)."""
-    counts, seen_bad = SkipCounts(), set()
-    mb, seed, rank = p.micro_batch, p.seed, p.rank
-    classes = p.num_classes if p.multi_label else None
-    tf = p.transform()
-    raw = enumerate(_raw_stream(p, epoch, stream, n, count, counts, skip=done * mb), done * mb)
-
-    def undecodable(key, err):
-        if key not in seen_bad:  # a stream that wraps meets it again
-            seen_bad.add(key)
-            counts.add("undecodable_image")
-            warnings.warn(f"sample {key}: {err}; skipped", stacklevel=2)
-
-    for _ in range(done, count):
-        out = None
-        while out is None:  # None: nothing in the batch decoded; take more (shifts later positions)
-            batch = list(itertools.islice(raw, mb))
-            pos = [i for i, _ in batch]
-            out = augment_batch([x for _, x in batch], tf, [sample_seed(seed, epoch, rank, stream, i) for i in pos],
-                                lambda j, pos=pos: sample_seed(seed, epoch, rank, stream, pos[j], 1), undecodable,
-                                classes)
-        yield (*out, counts.take(), _io())
 
 
 class TrainLoader:
@@ -296,6 +176,7 @@ class TrainLoader:
         self.img_size, self.micro_batch, self.global_batch = int(img_size), int(micro_batch), int(global_batch)
         self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
         self.return_keys, self.pin_memory = return_keys, pin_memory
+        self.order = "rank" if cfg_data.resampled else cfg_data.order  # resampled draws per stream
         self.accum_steps = global_batch // (world_size * micro_batch)
         self.steps_per_epoch = max(1, self.split.num_samples // global_batch)
         self.micro_batches_per_epoch = self.steps_per_epoch * self.accum_steps
@@ -318,7 +199,9 @@ class TrainLoader:
                           shuffle_buffer=c.shuffle_buffer, img_size=self.img_size, crop_scale=tuple(c.crop_scale),
                           hflip=c.hflip, randaugment=c.randaugment, policy=ReadPolicy.of(c), random_crop=c.random_crop,
                           seek_resume=not any(v for k, v in getattr(self, "skipped", {}).items()
-                                               if k != "undecodable_image"))
+                                               if k != "undecodable_image"),
+                          order=self.order, global_batch=self.global_batch, world_size=self.world_size,
+                          lanes=c.lanes)
 
     def __len__(self) -> int:
         return self.micro_batches_per_epoch
@@ -344,7 +227,8 @@ class TrainLoader:
         return self._run(epochs=None)
 
     def _run(self, epochs: int | None):
-        src = _batches(_TrainRun(self, self.epoch, self.step, epochs), self.num_workers, self.pin_memory)
+        run = (GlobalOrderRun if self.order == "global" else RankOrderRun)(self, self.epoch, self.step, epochs)
+        src = _batches(run, self.num_workers, self.pin_memory)
         for images, labels, keys, skipped, io in src:
             if self.step >= self.micro_batches_per_epoch:  # the stream went on into the next epoch
                 self.epoch, self.step = self.epoch + 1, 0
@@ -352,6 +236,7 @@ class TrainLoader:
                 self.skipped[k] = self.skipped.get(k, 0) + v
             self._io[io[0]] = io[1:]
             self.position = (self.epoch, self.step)
+            faults.record_read(self.rank, self.epoch, self.step, keys)
             self.step += 1
             yield (images, labels, keys) if self.return_keys else (images, labels)
 
@@ -360,22 +245,40 @@ class TrainLoader:
         return {"epoch": self.epoch, "step": self.step, "seed": self.seed, **self._layout(),
                 "skipped": dict(self.skipped)}
 
-    def _layout(self) -> dict:  # what an epoch's cut depends on besides the seed
+    def _layout(self) -> dict:
+        """What the epoch's cut depends on besides the seed: all of it for the rank order; for the
+        global order only its ``_ORDER`` keys fix which samples a step holds, the rest how they are shared."""
         return {"world_size": self.world_size, "workers": max(1, self.num_workers), "micro_batch": self.micro_batch,
                 "global_batch": self.global_batch, "num_samples": self.split.num_samples,
-                "resampled": bool(self.cfg.resampled)}
+                "dataset": self.info.digest, "resampled": bool(self.cfg.resampled), "order": self.order,
+                "lanes": self.cfg.lanes, "shuffle_buffer": self.cfg.shuffle_buffer}
+
+    _ORDER = ("global_batch", "num_samples", "dataset", "resampled", "order", "lanes", "shuffle_buffer")
 
     def load_state_dict(self, sd: dict) -> None:
         """Continue from ``sd``: the next micro-batches equal those the saved run would have yielded.
-        If the epoch's layout changed (world size, workers, batch, dataset), continue at the next
-        epoch's start instead, with a warning."""
+        At another world size, worker count or micro batch the global order continues at the saved
+        run's next optimizer step (its samples, shared the new way); if what the order or a step is
+        made of changed (global batch, dataset, order settings), or the rank order's layout changed,
+        continue at the next epoch's start instead, with a warning."""
         self.seed = int(sd["seed"])
         self.epoch, self.step = int(sd["epoch"]), int(sd["step"])
         self.skipped = dict(sd.get("skipped", {}))
-        if any(sd.get(k) != v for k, v in self._layout().items()) and self.step:
-            warnings.warn("data loader state is from a different layout (world size/workers/batch/dataset); "
-                          f"continuing at the start of epoch {self.epoch + 1}", stacklevel=2)
-            self.epoch, self.step = self.epoch + 1, 0
+        now = self._layout()
+        if not self.step or all(sd.get(k) == v for k, v in now.items()):
+            return
+        if self.order == "global" and all(sd.get(k) == now[k] for k in self._ORDER):
+            per_rank = (sd.get("world_size") or 0) * (sd.get("micro_batch") or 0)
+            saved_accum = self.global_batch // per_rank if per_rank else 0
+            if saved_accum == self.accum_steps and per_rank == self.world_size * self.micro_batch:
+                return  # only the worker count changed: the same micro-batches, made by other workers
+            if saved_accum and self.step % saved_accum == 0:
+                self.step = self.step // saved_accum * self.accum_steps  # the same optimizer step, shared anew
+                return
+        warnings.warn("data loader state is from a different layout (global batch/dataset/order, or world "
+                      f"size/workers/batch with data.order=rank); continuing at the start of epoch {self.epoch + 1}",
+                      stacklevel=2)
+        self.epoch, self.step = self.epoch + 1, 0
 
 
 # ── Evaluation ─────────────────────────────────────────────────────────────────────────────────────
@@ -390,7 +293,7 @@ class _EvalRank(IterableDataset):
         self.tf = EvalTransform(loader.img_size, loader.crop_pct)
 
     def __iter__(self):
-        d, n = _worker()
+        d, n = current()
         b0, b1 = d * self.nb // n, (d + 1) * self.nb // n
         counts, B = SkipCounts(), self.B
         raw = read_positions(self.sp, self.pos[b0 * B:b1 * B], counts, num_classes=self.K, multi_label=self.ml,
@@ -403,7 +306,7 @@ class _EvalRank(IterableDataset):
         for b in range(b0, b1):
             real = len(self.pos[b * B:(b + 1) * B])  # fewer come if a shard is cut off
             items = list(itertools.islice(raw, real))
-            yield _wire((*eval_batch(items, self.tf, B, undecodable, self.K if self.ml else None), counts.take()))
+            yield wire((*eval_batch(items, self.tf, B, undecodable, self.K if self.ml else None), counts.take()))
 
 
 class EvalLoader:

@@ -255,17 +255,19 @@ class OpenShard:
     seekable: bool
 
 
-def open_shard(url: str, start: int, policy: ReadPolicy | None = None) -> OpenShard:
+def open_shard(url: str, start: int, policy: ReadPolicy | None = None, stop: int | None = None) -> OpenShard:
     """Open a shard at sample ``start``: at its byte offset where the stats record one, else at 0.
-    Remote shards start their read-ahead now (see :class:`~pipeline.data.stream.ShardStream`)."""
-    offsets = shard_offsets(url) if start > 0 else None
+    Remote shards start their read-ahead now (see :class:`~pipeline.data.stream.ShardStream`), and
+    with ``stop`` (a sample the read ends before) ask for no byte from that sample's offset on."""
+    offsets = shard_offsets(url) if start > 0 or stop is not None else None
     index, byte = (start, offsets[start]) if offsets is not None and start < len(offsets) else (0, 0)
+    end = offsets[stop] if offsets is not None and stop is not None and stop < len(offsets) else None
     if url.startswith("pipe:"):
         import webdataset  # foreign descriptions' shell commands only
 
         return OpenShard(webdataset.gopen(url, "rb"), 0, False)
     if store.is_remote(url):
-        return OpenShard(ShardStream(url, byte, policy or ReadPolicy()), index, False)
+        return OpenShard(ShardStream(url, byte, policy or ReadPolicy(), end=end), index, False)
     f = open(url, "rb", buffering=1 << 16)
     f.seek(byte)
     return OpenShard(f, index, True)
@@ -287,15 +289,19 @@ def read_shard(url: str, counts: SkipCounts, start: int, stop: int | None, *, nu
     """
     policy = policy or ReadPolicy()
 
+    last = max(want) if want else None
+
     def bad(reason: str) -> None:
         # only the reader whose range holds this position counts it, so a shard read in pieces
-        # by several streams reports each problem once
-        if index >= start and (stop is None or index < stop):
+        # by several streams reports each problem once; with ``want``, the reader of the valid sample
+        # that follows it (or, past a shard's last sample, the reader of that one)
+        if index >= start and (stop is None or index < stop) and (
+                want is None or index in want or (stop is None and last is not None and index > last)):
             counts.add(reason)
 
     index = start
     try:
-        opened = opened or open_shard(url, start, policy)
+        opened = opened or open_shard(url, start, policy, stop)
     except OSError as e:
         bad("corrupt_tar")
         warnings.warn(f"{store.public(url)}: unreadable shard, skipped ({store.reason(e)})", stacklevel=2)
@@ -414,7 +420,7 @@ def read_slices(urls, slices, counts: SkipCounts, keep=None, **kw) -> Iterator[t
             if j + 1 < len(slices) and store.is_remote(urls[slices[j + 1][0]]):
                 nxt = slices[j + 1]
                 try:
-                    ahead = open_shard(urls[nxt[0]], nxt[1], policy)
+                    ahead = open_shard(urls[nxt[0]], nxt[1], policy, nxt[2])
                 except OSError:
                     ahead = None  # read_shard opens it again when its turn comes, and reports the error
             yield from read_shard(urls[s], counts, lo, stop, want=want, opened=cur, **kw)

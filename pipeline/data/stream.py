@@ -78,11 +78,13 @@ def _fatal(e: BaseException) -> bool:
 
 class ShardStream:
     """A remote object from byte ``start`` as a read-only stream (``read(n)``, ``close()``, a context
-    manager). Memory is bounded by ``(depth + 1) × block`` bytes (module defaults BLOCK, DEPTH)."""
+    manager). Memory is bounded by ``(depth + 1) × block`` bytes (module defaults BLOCK, DEPTH).
+    ``end``: a tar read up to a sample's offset: no byte from there is asked for, and the stream ends
+    with a tar end-of-archive marker, so the reader stops there as at an archive's end."""
 
     def __init__(self, address: str, start: int, policy: ReadPolicy, block: int | None = None,
-                 depth: int | None = None):
-        self.address, self.policy, self.block = address, policy, block or BLOCK
+                 depth: int | None = None, end: int | None = None):
+        self.address, self.policy, self.block, self.end = address, policy, block or BLOCK, end
         depth = depth or DEPTH
         self._q: queue.Queue = queue.Queue(depth)
         self._stop = threading.Event()
@@ -100,7 +102,8 @@ class ShardStream:
             got: list[bytes] = []  # what this try received, kept even when the try fails part way
             error, size = None, None
             try:
-                size = store.read_range(self.address, pos, pos + self.block, self.policy.timeout_s, got)
+                hi = pos + self.block if self.end is None else min(pos + self.block, self.end)
+                size = store.read_range(self.address, pos, hi, self.policy.timeout_s, got)
             except Exception as e:  # noqa: BLE001 (each SDK has its own errors; store.reason names them)
                 error = e
             if got:
@@ -108,6 +111,10 @@ class ShardStream:
                 pos += len(b)
                 _BYTES["bytes"] += len(b)
                 self._put(b)
+            if self.end is not None and pos >= self.end:
+                self._put(b"\0" * 1024)  # two zero blocks: tar's end-of-archive marker
+                self._put(b"")
+                return
             if size is not None and pos >= size:
                 self._put(b"")
                 return

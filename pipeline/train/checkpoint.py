@@ -396,6 +396,7 @@ class CheckpointManager:
         if self.every_minutes:
             self._pick(step)
         files = eng.snapshot_checkpoint(self.engine, str(r), tmp.name, self._copy)
+        _dump_optimizer(self.engine, "saved", step)
         own = {n: o.state_dict() for n, o in self.states.items() if self.scopes[n] != "shared"}
         files.append((tmp / f"vitp_rank{rank}.pt", self._copy(
             {"step": step, "rank": rank, "world_size": world, "states": own}), torch.save))
@@ -480,6 +481,19 @@ class CheckpointManager:
         step = int(own["step"])
         picked = (shared_file.get("cadence") or {}).get("next_at")
         self._next_at = picked if self.every_minutes and picked is not None and picked > step else None
+        _dump_optimizer(self.engine, "resumed", step)
         return Resumed(step, read_manifest(ckpt))
+
+
+def _dump_optimizer(engine, what: str, step: int) -> None:
+    """Collective when asked (a test's seam, pipeline/faults.py): rank 0 writes the full optimizer state."""
+    path = faults.optimizer_dump(what, step)
+    if path is not None:
+        from pipeline.train import engine as eng
+
+        state = eng.full_optimizer_state(engine)
+        if rank_world()[0] == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
 
 

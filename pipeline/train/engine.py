@@ -402,7 +402,45 @@ def load_checkpoint(engine, load_dir: str, tag: str) -> dict:
                                               load_lr_scheduler_states=False)
     if path is None:
         raise RuntimeError(f"{os.path.join(load_dir, tag)}: DeepSpeed could not load this checkpoint")
+    _own_step_counts(engine)
     return client or {}
+
+
+def _own_step_counts(engine) -> None:
+    """deepspeed 0.19.8's ZeRO-3 universal load gives every sub-group's Adam state one and the same
+    ``step`` tensor, which torch's Adam increments in place once per sub-group: the count then runs
+    ahead by the number of sub-groups each step and the bias correction is wrong from the first step
+    after the resume (a 2-rank run resumed on 1 at step 2 counted 6 at step 4). Each gets its own."""
+    inner = getattr(engine.optimizer, "optimizer", None)
+    seen: set[int] = set()
+    for st in (inner.state.values() if inner is not None and hasattr(inner, "state") else ()):
+        step = st.get("step")
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                st["step"] = step.clone()
+            seen.add(id(step))
+
+
+def full_optimizer_state(engine) -> dict:
+    """Collective (ZeRO-3 gathers): the optimizer state as world-size-independent tensors, so states
+    saved and resumed at different rank counts can be compared: {param name: {"fp32", "exp_avg",
+    "exp_avg_sq"}} (each the parameter's full shape, on the CPU) plus "_steps" (Adam's step count per
+    partition, a sorted list) and "_lr" (each param group's lr)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    opt = engine.optimizer
+    if hasattr(opt, "_lazy_init_hp_params_optimizer_state"):  # ZeRO-1/2 link the moments' views lazily
+        opt._hp_optimizer_states_linked = False  # (at a step; none has run right after a load)
+        opt._lazy_init_hp_params_optimizer_state()
+    out = {}
+    for name, p in engine.module.named_parameters():
+        got = {"fp32": safe_get_full_fp32_param(p), **{k: safe_get_full_optimizer_state(p, k)
+                                                       for k in ("exp_avg", "exp_avg_sq")}}
+        out[name] = {k: v.detach().float().cpu().clone() for k, v in got.items() if v is not None}
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    out["_steps"] = sorted({int(st["step"]) for st in inner.state.values() if "step" in st})
+    out["_lr"] = [float(g["lr"]) for g in inner.param_groups]
+    return out
 
 
 def saved_world_size(ckpt_dir: str) -> int:

@@ -52,17 +52,19 @@ def test_two_ranks_one_rank_two_ranks_inside_the_epoch(tiny_reference, shards, t
     data = [d for d in shards if not d.startswith("data.workers")]
     ref = tiny_reference(stage, shards)
     run, optim = tmp_path / "run", tmp_path / "optim"
-    zero = f"engine.zero_stage={stage}"
+    # inline saves: each kill below must find the checkpoint just before it published (a background
+    # write still in flight at the kill would make the one before it the resume point)
+    zero, inline = f"engine.zero_stage={stage}", "checkpoint.async=false"
     env = {"VITP_TEST_OPTIM_DUMP": str(optim)}
     # 1: 2 ranks x 2 workers, rank 1 killed before step 3 (resumes from step 2)
-    assert pretrain(run, zero, "data.workers=2", data=data,
+    assert pretrain(run, zero, inline, "data.workers=2", data=data,
                     env={**env, "VITP_TEST_READ_LOG": str(tmp_path / "a1"), "VITP_TEST_KILL_AT_STEP": "3"}) != 0
     # 2: 1 rank x 1 worker (accumulation 2), killed before step 5 (resumes from step 4)
-    assert pretrain(run, zero, "data.workers=1", data=data, nprocs=1,
+    assert pretrain(run, zero, inline, "data.workers=1", data=data, nprocs=1,
                     env={**env, "VITP_TEST_READ_LOG": str(tmp_path / "a2"), "VITP_TEST_KILL_AT_STEP": "5",
                          "VITP_TEST_KILL_RANK": "0"}) != 0
     # 3: 2 ranks x 1 worker, to the end (step 6 is the next epoch's first)
-    assert pretrain(run, zero, "data.workers=1", data=data,
+    assert pretrain(run, zero, inline, "data.workers=1", data=data,
                     env={**env, "VITP_TEST_READ_LOG": str(tmp_path / "a3")}) == 0
 
     read = {s: ks for log, world, accum, steps in ((tmp_path / "a1", 2, 1, (1, 2)), (tmp_path / "a2", 1, 2, (3, 4)),

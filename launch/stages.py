@@ -48,14 +48,13 @@ def check_addresses(cfg, stage: str | None = None) -> None:
     anything is queued or started: a missing bucket, a 403 or a 404 is one line naming the key, the
     address (without its query string) and the reason (data_prep.store.AddressError, exit 2). Local
     folders are checked, with their split names, by pipeline.data.check_splits."""
-    from data_prep import store
-    from data_prep.schema import INFO_FILE
+    from pipeline.data import source_for
 
     extra = [(f"{d.key}.data" if d.key.startswith("evals[") else d.key, d.entry.data)
              for d in evaluators_of(cfg, stage)]
     for key, address in [("data.path", cfg.data.path), *extra]:
-        if address and store.is_remote(address):
-            store.check_readable(store.join(address, INFO_FILE), key)
+        if address:
+            source_for(address).check_reachable(key)
 
 
 def stage_main(argv: list[str], command: str, description: str, fn) -> int:
@@ -146,11 +145,12 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
     """`vitp eval` flags -> overrides of the evaluation stage's config (pipeline.config.EvalConfig)."""
     from data_prep import store
     from pipeline.config import ConfigError
+    from pipeline.data import local_source, source_for
 
     remote = store.is_remote(args.data)
     if remote:
-        store.check_readable(store.join(args.data, "_info.json"), "--data")
-    elif not Path(args.data).exists() and not args.data.startswith("synthetic"):
+        source_for(args.data).check_reachable("--data")
+    elif not Path(args.data).exists() and local_source(args.data) is None:  # a synthetic spec is no folder
         raise FileNotFoundError(f"--data {args.data}: no such dataset folder")
     try:
         shots = [int(s) for s in args.shots.split(",") if s.strip()]

@@ -150,9 +150,7 @@ def check_data(cfg, stage: str) -> None:
     which the stage repeats at its start). Fewer shards than ranks x loader workers is fine: the loader
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
     from data_prep import store
-    from data_prep.schema import INFO_FILE, DatasetInfo
-    from pipeline.data import DataError, check_splits, minival_source
-    from pipeline.data.synthetic import is_synthetic
+    from pipeline.data import DataError, check_splits, minival_source, source_for
     from pipeline.eval.evaluators import check_data as check_evaluators_data
 
     path = cfg.data.path
@@ -166,11 +164,9 @@ def check_data(cfg, stage: str) -> None:
         check_evaluators_data(evaluators_of(cfg, stage), path, held)  # the declared evaluators' splits
     except DataError as e:
         raise SubmitError(str(e)) from None
-    if stage == "eval" or cfg.data.resampled or is_synthetic(path):
+    if stage == "eval" or cfg.data.resampled:
         return
-    where = store.join(path, INFO_FILE)  # check_splits read it already
-    info = DatasetInfo.from_json(store.read_bytes(where).decode("utf-8"), store.public(where))
-    files = [store.join(path, f) for f in info.splits[cfg.data.train_split].filenames]
+    files = source_for(path).shard_addresses(cfg.data.train_split)
     streams = cfg.world_size_planned * max(1, cfg.data.workers)
     if len(files) < streams and any(store.is_remote(f) or f.startswith("pipe:") for f in files):
         print(f"warning: data.path: {len(files)} remote {cfg.data.train_split!r} shards for {streams} loader "

@@ -21,9 +21,8 @@ import json
 import os
 
 from data_prep import store
-from data_prep.schema import INFO_FILE
 from pipeline.data.minival import MINIVAL, minival_source, stored_split
-from pipeline.data.shards import DataError, Info, SplitInfo, info_file, read_description
+from pipeline.data.shards import DataError, Info, SplitInfo
 from pipeline.data.source import DataSource, EvalBatches, TrainBatches
 
 
@@ -42,6 +41,21 @@ def source_for(path: str) -> DataSource:
 
 def read_info(path: str) -> Info:
     return source_for(path).read_info()
+
+
+def local_source(path: str) -> DataSource | None:
+    """The source of ``data.path`` when it can be read here without the network and is there (a
+    synthetic spec, a folder): planning and other estimates work without data; None otherwise."""
+    from pipeline.data import synthetic
+
+    if not path or store.is_remote(path) or not (synthetic.is_synthetic(path) or os.path.exists(path)):
+        return None
+    src = source_for(path)
+    try:
+        src.split_sizes()
+    except DataError:
+        return None  # not (yet) a dataset: a prep that has not finished
+    return src
 
 
 def num_classes(data_cfg, model_classes: int = 0) -> int:
@@ -66,19 +80,9 @@ def check_splits(path: str | os.PathLike, splits: dict[str, str | None], *, mini
         data.val_split: 'val' not in SHARDS/_info.json (has: train); re-run vitp prep with --val-fraction ...
     """
 
-    from pipeline.data import synthetic
-
     want = {k: (minival_from if v == MINIVAL and minival_from else v) for k, v in splits.items() if v}
-    if synthetic.is_synthetic(str(path)):
-        where = f"data.path {path}"
-        has = {k: sp.num_samples for k, sp in synthetic.read_info(str(path)).splits.items()}
-    else:
-        info_file(path)  # a missing description is one line worded as every reader words it
-        try:
-            has = {k: len(sp.filenames) for k, sp in read_description(path).splits.items()}
-        except DataError as e:
-            raise DataError(f"data.path: {e}") from None
-        where = store.public(store.join(str(path), INFO_FILE))
+    src = source_for(str(path))
+    has, where = src.split_sizes(), src.where()
     for key, name in want.items():
         hint = _HINTS.get(key, "re-run vitp prep or pick another split")
         if name not in has:
@@ -110,4 +114,4 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
 
 
 __all__ = ["DataError", "DataSource", "EvalBatches", "Info", "SplitInfo", "TrainBatches", "dataset_inputs",
-           "check_splits", "minival_source", "num_classes", "stored_split", "read_info", "source_for"]
+           "check_splits", "local_source", "minival_source", "num_classes", "stored_split", "read_info", "source_for"]

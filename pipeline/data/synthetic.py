@@ -177,6 +177,9 @@ class SyntheticSource(ClassLoaders, DataSource):
     train_loader_class, eval_loader_class = TrainLoader, EvalLoader
     info_reader = staticmethod(read_info)
 
+    def where(self) -> str:
+        return f"data.path {self.path}"
+
     def split_labels(self, split: str, rank: int, world_size: int) -> dict[int, list]:
         spec = parse_spec(self.path)
         n = spec["val" if split != "train" else "train"]  # as EvalLoader reads it (salt 1)

@@ -34,9 +34,10 @@ def source_for(path: str) -> DataSource:
         return synthetic.SyntheticSource(path)
     if not path:
         raise DataError("data.path: empty; give a `vitp prep` output folder (or synthetic: for a smoke run)")
+    from pipeline.data import imagefolder
     from pipeline.data.loader import ShardSource
 
-    return ShardSource(path)
+    return imagefolder.ImageFolderSource(path) if imagefolder.is_image_folder(path) else ShardSource(path)
 
 
 def read_info(path: str) -> Info:

@@ -48,12 +48,13 @@ def check_addresses(cfg, stage: str | None = None) -> None:
     anything is queued or started: a missing bucket, a 403 or a 404 is one line naming the key, the
     address (without its query string) and the reason (data_prep.store.AddressError, exit 2). Local
     folders are checked, with their split names, by pipeline.data.check_splits."""
+    from data_prep import store
     from pipeline.data import source_for
 
     extra = [(f"{d.key}.data" if d.key.startswith("evals[") else d.key, d.entry.data)
              for d in evaluators_of(cfg, stage)]
     for key, address in [("data.path", cfg.data.path), *extra]:
-        if address:
+        if address and store.is_remote(address):
             source_for(address).check_reachable(key)
 
 

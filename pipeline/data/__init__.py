@@ -21,23 +21,45 @@ import json
 import os
 
 from data_prep import store
+from data_prep.schema import INFO_FILE
 from pipeline.data.minival import MINIVAL, minival_source, stored_split
 from pipeline.data.shards import DataError, Info, SplitInfo
 from pipeline.data.source import DataSource, EvalBatches, TrainBatches
 
 
 def source_for(path: str) -> DataSource:
-    """The source for ``data.path``: SyntheticSource for ``synthetic[:...]``, else a ShardSource."""
+    """The source for ``data.path``: SyntheticSource for ``synthetic[:...]``, ImageFolderSource for a
+    class-per-folder tree (:func:`is_image_folder`), else a ShardSource (a `vitp prep` output)."""
     from pipeline.data import synthetic
 
     if synthetic.is_synthetic(path):
         return synthetic.SyntheticSource(path)
     if not path:
         raise DataError("data.path: empty; give a `vitp prep` output folder (or synthetic: for a smoke run)")
-    from pipeline.data import imagefolder
+    if is_image_folder(path):  # imported only then: the loaders import torch, a command's checks do not
+        from pipeline.data.imagefolder import ImageFolderSource
+
+        return ImageFolderSource(path)
     from pipeline.data.loader import ShardSource
 
-    return imagefolder.ImageFolderSource(path) if imagefolder.is_image_folder(path) else ShardSource(path)
+    return ShardSource(path)
+
+
+def is_image_folder(path: str) -> bool:
+    """Whether ``path`` is read as an image folder: a folder (or prefix) that is not a `vitp prep`
+    output (no ``_info.json``) and holds sub-folders. A tree that is not a valid image folder is
+    still claimed here, so that its error names the folders an image folder needs."""
+    path = str(path)
+    try:
+        if not store.is_remote(path):
+            return os.path.isdir(path) and not os.path.exists(os.path.join(path, INFO_FILE)) and any(
+                e.is_dir() for e in os.scandir(path))
+        if store.exists(store.join(path, INFO_FILE)):
+            return False
+        fs, root = store.filesystem(path)
+        return any(e.get("type") == "directory" for e in fs.ls(root, detail=True))
+    except OSError:
+        return False  # the shard reader's error names what is missing
 
 
 def read_info(path: str) -> Info:
@@ -47,9 +69,8 @@ def read_info(path: str) -> Info:
 def local_source(path: str) -> DataSource | None:
     """The source of ``data.path`` when it can be read here without the network and is there (a
     synthetic spec, a folder): planning and other estimates work without data; None otherwise."""
-    from pipeline.data import synthetic
-
-    if not path or store.is_remote(path) or not (synthetic.is_synthetic(path) or os.path.exists(path)):
+    spec = str(path).split(":", 1)[0] == "synthetic"  # synthetic.is_synthetic, without importing torch
+    if not path or store.is_remote(path) or not (spec or os.path.exists(path)):
         return None
     src = source_for(path)
     try:

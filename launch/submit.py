@@ -311,7 +311,7 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
         write_resolved(cfg, folder)
         entry = {"job_id": str(job.job_id), "stage": stage, "folder": str(folder.resolve()), "executor": cluster,
                  "run_dir": _run_dir(stage, cfg, call),
-                 "tasks": cfg.cluster.nodes * cfg.cluster.tasks_per_node, "time": time.time(), **(extra or {})}
+                 "tasks": cfg.world_size_planned, "time": time.time(), **(extra or {})}
         if cfg.cluster.exclude_nodes:  # what the run dir's next job carries over (launch/nodes.py)
             entry["exclude_nodes"] = list(cfg.cluster.exclude_nodes)
         append_index(cfg.cluster.log_dir, entry)

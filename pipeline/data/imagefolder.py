@@ -28,29 +28,13 @@ import numpy as np
 
 from data_prep import store
 from data_prep.schema import IMAGE_EXTS, INFO_FILE
-from pipeline.data import minival
+from pipeline.config.batch import BatchLayout
 from pipeline.data.augment import EvalTransform, TrainTransform, augment_batch, eval_batch, normalize, sample_seed
+from pipeline.data.minival import MINIVAL, active, select, stored_split
 from pipeline.data.shards import DataError, Info, SplitInfo
 from pipeline.data.source import ClassLoaders, DataSource
 
 SPLITS = ("train", "val", "test")
-
-
-def is_image_folder(path: str) -> bool:
-    """Whether ``path`` is read as an image folder: a folder (or prefix) that is not a `vitp prep`
-    output (no ``_info.json``) and holds sub-folders. A tree that is not a valid image folder is
-    still claimed here, so that its error names the folders an image folder needs."""
-    path = str(path)
-    try:
-        if not store.is_remote(path):
-            return os.path.isdir(path) and not os.path.exists(os.path.join(path, INFO_FILE)) and any(
-                e.is_dir() for e in os.scandir(path))
-        if store.exists(store.join(path, INFO_FILE)):
-            return False
-        fs, root = store.filesystem(path)
-        return any(e.get("type") == "directory" for e in fs.ls(root, detail=True))
-    except OSError:
-        return False  # the shard reader's error names what is missing
 
 
 @functools.lru_cache(maxsize=8)
@@ -116,14 +100,15 @@ def _read(path: str, items) -> list[tuple[str, bytes, int]]:
 def _positions(cfg_data, info: Info, split: str, training: bool) -> list[int] | None:
     """Positions of ``split`` a stream reads when the data section holds a minival out of it
     (:mod:`pipeline.data.minival`, keyed by relative path); None: all of it."""
-    if not minival.active(cfg_data) or minival.stored_split(cfg_data, split) != cfg_data.train_split:
+    if not active(cfg_data) or stored_split(cfg_data, split) != cfg_data.train_split:
         return None
-    if not training and split != minival.MINIVAL:
+    if not training and split != MINIVAL:
         return None
     items = _samples(info.path, cfg_data.train_split)
-    sel = minival._selected(tuple(r for r, _ in items), tuple(lab for _, lab in items), info.num_classes,
-                            cfg_data.minival_fraction, cfg_data.minival_seed, cfg_data.train_limit,
-                            cfg_data.minival_limit, f"split {cfg_data.train_split!r} of {store.public(info.path)}")
+    sel = select([r for r, _ in items], [lab for _, lab in items], info.num_classes,
+                 fraction=cfg_data.minival_fraction, seed=cfg_data.minival_seed, train_limit=cfg_data.train_limit,
+                 minival_limit=cfg_data.minival_limit,
+                 where=f"split {cfg_data.train_split!r} of {store.public(info.path)}")
     return list(sel.train if training else sel.minival)
 
 
@@ -132,9 +117,7 @@ class TrainLoader:
 
     def __init__(self, cfg_data, *, img_size: int, micro_batch: int, global_batch: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, pin_memory: bool = False):
-        if global_batch % (world_size * micro_batch):
-            raise DataError(f"train.global_batch: {global_batch} is not divisible by world size {world_size} x "
-                            f"train.micro_batch {micro_batch}")
+        layout = BatchLayout(global_batch, micro_batch, world_size)
         self.path, self.seed, self.pin_memory = cfg_data.path, int(seed), pin_memory
         info = read_info(cfg_data.path)
         every = _samples(cfg_data.path, info.split(cfg_data.train_split).name)
@@ -144,7 +127,7 @@ class TrainLoader:
             raise DataError(f"data.minival_fraction: leaves nothing of split {cfg_data.train_split!r} of "
                             f"{store.public(cfg_data.path)} to train on")
         self.micro, self.global_batch, self.rank, self.world = micro_batch, global_batch, rank, world_size
-        self.accum = global_batch // (micro_batch * world_size)
+        self.accum = layout.accumulation
         self.steps_per_epoch = max(1, len(self.items) // global_batch)
         self.transform = TrainTransform(img_size, cfg_data.crop_scale, cfg_data.hflip, cfg_data.randaugment,
                                         random_crop=cfg_data.random_crop)
@@ -214,7 +197,7 @@ class EvalLoader:
         self.path, self.batch = cfg_data.path, int(batch)
         info = read_info(cfg_data.path)
         held = _positions(cfg_data, info, name, training=False)
-        stored = minival.stored_split(cfg_data, name) if held is not None else name
+        stored = stored_split(cfg_data, name) if held is not None else name
         every = _samples(cfg_data.path, info.split(stored).name)
         if held is not None:
             positions = held if positions is None else [held[i] for i in positions]

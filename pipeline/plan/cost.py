@@ -133,7 +133,7 @@ def step_time(cfg, shape: ModelShape, patch_drop: float | None = None) -> dict:
     from pipeline.model.flops import train_step_flops
 
     c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
-    n = c.nodes * c.tasks_per_node
+    n = cfg.world_size_planned
     per_rank = t.global_batch // n
     accum = per_rank // t.micro_batch
     # time counts what the GPU executes (checkpointing runs the forward again); model FLOPs (MFU,
@@ -178,7 +178,7 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
          headroom: float = 0.0, shape: ModelShape | None = None) -> dict:
     """Everything `vitp plan` reports, as plain numbers (bytes, seconds)."""
     c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
-    n = c.nodes * c.tasks_per_node
+    n = cfg.world_size_planned
     if n < 1:
         raise PlanError(f"world size must be >= 1; got {n}")
     if t.micro_batch > t.global_batch:

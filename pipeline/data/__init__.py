@@ -47,17 +47,23 @@ def source_for(path: str) -> DataSource:
 
 def is_image_folder(path: str) -> bool:
     """Whether ``path`` is read as an image folder: a folder (or prefix) that is not a `vitp prep`
-    output (no ``_info.json``) and holds sub-folders. A tree that is not a valid image folder is
-    still claimed here, so that its error names the folders an image folder needs."""
+    output (no ``_info.json``) and holds sub-folders other than prep's own (``_plan``: an unfinished
+    prep stays a prep output, whose error asks whether prep finished). A tree that is not a valid image
+    folder is still claimed here, so that its error names the folders an image folder needs."""
     path = str(path)
+
+    def named(name: str) -> bool:
+        return not name.startswith(("_", "."))
+
     try:
         if not store.is_remote(path):
             return os.path.isdir(path) and not os.path.exists(os.path.join(path, INFO_FILE)) and any(
-                e.is_dir() for e in os.scandir(path))
+                e.is_dir() and named(e.name) for e in os.scandir(path))
         if store.exists(store.join(path, INFO_FILE)):
             return False
         fs, root = store.filesystem(path)
-        return any(e.get("type") == "directory" for e in fs.ls(root, detail=True))
+        return any(e.get("type") == "directory" and named(e["name"].rstrip("/").rsplit("/", 1)[-1])
+                   for e in fs.ls(root, detail=True))
     except OSError:
         return False  # the shard reader's error names what is missing
 

@@ -133,8 +133,11 @@ def test_a_bad_tree_is_one_line_naming_the_folder(tmp_path, layout, message):
         check_splits(tmp_path / "bad", {"data.train_split": "train"})
 
 
-def test_a_prep_output_is_still_read_as_shards(corpus_shards):
+def test_a_prep_output_is_still_read_as_shards(corpus_shards, tmp_path):
     assert type(source_for(str(corpus_shards))).__name__ == "ShardSource"
+    (tmp_path / "unfinished/_plan").mkdir(parents=True)  # prep's plan pieces, no _info.json yet
+    with pytest.raises(DataError, match=r"_info.json: not found \(is data.path a `vitp prep` output folder, and did "):
+        check_splits(tmp_path / "unfinished", {"data.train_split": "train"})
 
 
 def test_an_s3_folder_reads_as_the_local_one(tree, s3_bucket, tmp_path):

@@ -119,7 +119,8 @@ def _on_gpu() -> bool:
 def grad_accumulation(cfg, world_size: int) -> int:
     from pipeline.config.batch import BatchLayout
 
-    return BatchLayout.of(cfg.train, world_size).accumulation
+    t = cfg.train  # read here: the builder hands the engine its sections once (tests/cfg_walk.py)
+    return BatchLayout(t.global_batch, t.micro_batch, world_size).accumulation
 
 
 def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> dict:

@@ -97,7 +97,7 @@ def slurm_parameters(cfg) -> dict:
 def local_parameters(cfg) -> dict:
     """The same resources for submitit's local executor: all tasks on this machine."""
     c = cfg.cluster
-    return {"name": c.job_name, "tasks_per_node": c.nodes * c.tasks_per_node, "timeout_min": c.time_min,
+    return {"name": c.job_name, "tasks_per_node": cfg.world_size_planned, "timeout_min": c.time_min,
             "cpus_per_task": c.cpus_per_task, **({"gpus_per_node": c.gpus_per_node} if c.gpus_per_node else {})}
 
 

@@ -84,6 +84,11 @@ def describe(event: dict) -> str:
         what += f"; {', '.join(event['excluded'])} excluded" if event.get("excluded") else ""
         what += f"; {node} not excluded ({event['kept']})" if event.get("kept") else ""
         what += "; requeued" if event.get("requeued") else f"; not requeued ({event.get('why', 'no retry')})"
+    elif kind == "failed" and event.get("oom"):  # the micro batch it ran with, and the next one's
+        (had, then), rank = event.get("micro_batch") or ("?", None), event.get("rank", "?")
+        what = f"out of memory on rank {rank} at train.micro_batch {had}"
+        what += (f"; requeued with train.micro_batch {then} (train.global_batch kept)" if event.get("requeued")
+                 else f"; not requeued ({event.get('why', 'no retry')})")
     elif kind == "failed":
         what = f"failed: rank {event.get('rank', '?')}: {event.get('error', '?')}"
         what += "; requeued" if event.get("requeued") else f"; not requeued ({event.get('why', 'no retry')})"
@@ -141,6 +146,11 @@ def _records(folder: Path, restart: int) -> list[dict]:
     return sorted(recs, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
 
 
+def _oom(rec: dict) -> dict:
+    """An error record's out-of-memory fields (launch/preempt.py's write_error): the micro batch it ran at."""
+    return {"oom": True, "micro_batch": rec.get("micro_batch")} if rec.get("oom") else {}
+
+
 def failure(folder: Path, restart: int, log_text: str, rc: int) -> dict:
     """What ended this attempt: {"rank", "error", "retry"}: a rank that hung outside any collective
     (pipeline/hang.py; the ranks waiting for it hang too), else srun's first dead task and that rank's
@@ -154,11 +164,12 @@ def failure(folder: Path, restart: int, log_text: str, rc: int) -> dict:
         rank, how = dead
         rec = _error_record(folder, rank, restart)
         if rec is not None:
-            return {"rank": rank, "error": rec.get("error", how), "retry": rec.get("retry", True)}
+            return {"rank": rank, "error": rec.get("error", how), "retry": rec.get("retry", True), **_oom(rec)}
         return {"rank": rank, "error": how, "retry": True}
     if recs:
         first = recs[0]
-        return {"rank": first.get("rank", "?"), "error": first.get("error"), "retry": first.get("retry", True)}
+        return {"rank": first.get("rank", "?"), "error": first.get("error"), "retry": first.get("retry", True),
+                **_oom(first)}
     return {"rank": "?", "error": f"srun exited with code {rc}", "retry": True}
 
 
@@ -202,7 +213,15 @@ def _failed(restart: int, why: dict, fault: nodes.Fault | None, events: list[dic
             exclude: list[str], max_excluded: int, pool, **extra) -> dict:
     """The "failed" line of attempt ``restart``: requeued while failures < max_failures, with the node the
     failure points at left out (``exclude``: the nodes the job was submitted without)."""
-    then, why_not = stops.after_failure(why["retry"], count(events, Outcome.FAILED), max_failures)
+    if why.get("oom") and isinstance(why.get("micro_batch"), int):  # halved, not counted as a failure
+        then, half, why_not = stops.after_oom(why["micro_batch"])
+        event = {"event": Outcome.FAILED, "restart": restart, "rank": why["rank"], "oom": True,
+                 "error": why["error"] + ("" if half else f" at train.micro_batch {why['micro_batch']}, which "
+                                          "cannot be halved"), **extra, "micro_batch": [why["micro_batch"], half],
+                 "requeued": then == Next.REQUEUE}
+        return {**event, "why": why_not} if why_not else event
+    failed = sum(e.get("event") == Outcome.FAILED and not e.get("oom") for e in events)
+    then, why_not = stops.after_failure(why["retry"], failed, max_failures)
     fields: dict = {}
     if fault is not None and why["retry"]:
         fields, then, why_not = _exclusion(fault, then, why_not, events, env, exclude, max_excluded, pool)

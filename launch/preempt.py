@@ -180,14 +180,16 @@ def error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1].strip()}" if len(lines) == 1 else f"{type(e).__name__}: ... {lines[-1]}"
 
 
-def write_error(folder: Path, rank: int, e: BaseException) -> None:
+def write_error(folder: Path, rank: int, e: BaseException, micro_batch: int | None = None) -> None:
     """``error.<rank>.json``: this rank's stage raised. `vitp submit --wait`, `vitp jobs` and outcome()
-    read it, so a failed job ends the wait with its error even where no scheduler remembers the job."""
+    read it, so a failed job ends the wait with its error even where no scheduler remembers the job. An
+    out-of-memory error also records the ``micro_batch`` it ran at (launch/attempts.py halves it)."""
     from pipeline.secrets import redact  # an error text may quote a URI with its credentials
 
+    oom = {"oom": True, "micro_batch": micro_batch} if stops.out_of_memory(e) and micro_batch else {}
     try:
         write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": slurm.restart_count(), "time": time.time(),
-                                                   "error": redact(error_line(e)), "retry": stops.retried(e)})
+                                                   "error": redact(error_line(e)), "retry": stops.retried(e), **oom})
     except OSError as oe:  # the record is a courtesy; the exception itself must still propagate
         print(f"vitp: could not write {folder}/error.{rank}.json ({oe})", file=sys.stderr, flush=True)
 
@@ -231,7 +233,7 @@ class StageJob:
         try:
             return self._run(job_env, folder)
         except Exception as e:  # SystemExit (stop, requeue) passes: those are not failures
-            write_error(folder, int(job_env.global_rank), e)
+            write_error(folder, int(job_env.global_rank), e, getattr(self, "_micro_batch", None))
             raise
 
     def _run(self, job_env, folder: Path) -> dict:
@@ -242,7 +244,7 @@ class StageJob:
         os.environ.update({k: str(v) for k, v in self.env.items()})
         os.environ["VITP_JOB_ID"] = str(job_env.job_id)
         os.environ.update(nccl_debug_env(folder))  # read when the NCCL process group is created
-        cfg = from_dict(self.cfg, world_size=d.world_size, schema=stage_schema(self.stage))
+        cfg = from_dict(self._attempt_cfg(folder, d), world_size=d.world_size, schema=stage_schema(self.stage))
         stops.clear()
         if self.stage in COOPERATIVE:
             install_stop_handlers()
@@ -273,6 +275,20 @@ class StageJob:
                 append_event(folder, {"event": Outcome.COMPLETED, "restart": slurm.restart_count(),
                                       "step": summary.get("step")})
         return summary
+
+    def _attempt_cfg(self, folder: Path, d: DistEnv) -> dict:
+        """The config this attempt runs: the submitted one, with the train.micro_batch an earlier attempt's
+        out-of-memory error halved it to (pipeline.stops.micro_batch_now; the global batch is kept)."""
+        if self.stage not in COOPERATIVE:
+            return self.cfg
+        planned = int(self.cfg["train"]["micro_batch"])
+        self._micro_batch = stops.micro_batch_now(read_events(folder), planned)
+        if self._micro_batch == planned:
+            return self.cfg
+        if d.is_rank0:
+            print(f"vitp: train.micro_batch {planned} -> {self._micro_batch} (an earlier attempt ran out of "
+                  "memory; train.global_batch kept, the accumulation grows)", file=sys.stderr, flush=True)
+        return {**self.cfg, "train": {**self.cfg["train"], "micro_batch": self._micro_batch}}
 
     def _after_stop(self, summary: dict, cfg, d: DistEnv, folder: Path, job_env) -> None:
         reason = stops.job_reason(summary.get("stop_reason") or summary.get("reason"), stops.stop_reason())

@@ -81,7 +81,7 @@ def preflight_job(cfg, opts: dict):
 
 def report(cfg, entry: dict) -> int:
     """Wait for a submitted preflight, print the table and the verdict; 0 passed, 1 failed."""
-    nodes, tasks = cfg.cluster.nodes, cfg.cluster.nodes * cfg.cluster.tasks_per_node
+    nodes, tasks = cfg.cluster.nodes, cfg.world_size_planned
     print(f"preflight job {entry['job_id']}: {nodes} node(s), {tasks} task(s)"
           f"{' on ' + cfg.cluster.partition if cfg.cluster.partition else ''}", flush=True)
     state = wait([entry])[entry["job_id"]]

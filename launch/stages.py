@@ -49,13 +49,13 @@ def check_addresses(cfg, stage: str | None = None) -> None:
     address (without its query string) and the reason (data_prep.store.AddressError, exit 2). Local
     folders are checked, with their split names, by pipeline.data.check_splits."""
     from data_prep import store
-    from data_prep.schema import INFO_FILE
+    from pipeline.data import source_for
 
     extra = [(f"{d.key}.data" if d.key.startswith("evals[") else d.key, d.entry.data)
              for d in evaluators_of(cfg, stage)]
     for key, address in [("data.path", cfg.data.path), *extra]:
         if address and store.is_remote(address):
-            store.check_readable(store.join(address, INFO_FILE), key)
+            source_for(address).check_reachable(key)
 
 
 def stage_main(argv: list[str], command: str, description: str, fn) -> int:
@@ -121,7 +121,8 @@ def add_eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (pretrain/transfer), a DeepSpeed checkpoint folder, or a weights file "
                         "(vitp .safetensors; timm .pth/.safetensors or JAX .npz need --model)")
-    p.add_argument("--data", required=True, help="a `vitp prep` output: a folder, s3://, gs:// or https:// address")
+    p.add_argument("--data", required=True, help="a `vitp prep` output or a class-per-folder tree (train/ val/ "
+                                                  "test/): a folder, s3://, gs:// or https:// address")
     p.add_argument("--split", default="val", help="split to score (default: val)")
     p.add_argument("--fewshot", action="store_true", help="few-shot linear evaluation (train split -> --split)")
     p.add_argument("--shots", default="1,5,10,25", help="few-shot shots per class (default: 1,5,10,25)")
@@ -146,11 +147,12 @@ def eval_overrides(args: argparse.Namespace) -> list[str]:
     """`vitp eval` flags -> overrides of the evaluation stage's config (pipeline.config.EvalConfig)."""
     from data_prep import store
     from pipeline.config import ConfigError
+    from pipeline.data import local_source, source_for
 
     remote = store.is_remote(args.data)
     if remote:
-        store.check_readable(store.join(args.data, "_info.json"), "--data")
-    elif not Path(args.data).exists() and not args.data.startswith("synthetic"):
+        source_for(args.data).check_reachable("--data")
+    elif not Path(args.data).exists() and local_source(args.data) is None:  # a synthetic spec is no folder
         raise FileNotFoundError(f"--data {args.data}: no such dataset folder")
     try:
         shots = [int(s) for s in args.shots.split(",") if s.strip()]

@@ -97,7 +97,7 @@ def slurm_parameters(cfg) -> dict:
 def local_parameters(cfg) -> dict:
     """The same resources for submitit's local executor: all tasks on this machine."""
     c = cfg.cluster
-    return {"name": c.job_name, "tasks_per_node": c.nodes * c.tasks_per_node, "timeout_min": c.time_min,
+    return {"name": c.job_name, "tasks_per_node": cfg.world_size_planned, "timeout_min": c.time_min,
             "cpus_per_task": c.cpus_per_task, **({"gpus_per_node": c.gpus_per_node} if c.gpus_per_node else {})}
 
 
@@ -150,9 +150,7 @@ def check_data(cfg, stage: str) -> None:
     which the stage repeats at its start). Fewer shards than ranks x loader workers is fine: the loader
     splits samples, not shards; with remote shards it costs throughput, so that gets a warning."""
     from data_prep import store
-    from data_prep.schema import INFO_FILE, DatasetInfo
-    from pipeline.data import DataError, check_splits, minival_source
-    from pipeline.data.synthetic import is_synthetic
+    from pipeline.data import DataError, check_splits, minival_source, source_for
     from pipeline.eval.evaluators import check_data as check_evaluators_data
 
     path = cfg.data.path
@@ -166,11 +164,9 @@ def check_data(cfg, stage: str) -> None:
         check_evaluators_data(evaluators_of(cfg, stage), path, held)  # the declared evaluators' splits
     except DataError as e:
         raise SubmitError(str(e)) from None
-    if stage == "eval" or cfg.data.resampled or is_synthetic(path):
+    if stage == "eval" or cfg.data.resampled:
         return
-    where = store.join(path, INFO_FILE)  # check_splits read it already
-    info = DatasetInfo.from_json(store.read_bytes(where).decode("utf-8"), store.public(where))
-    files = [store.join(path, f) for f in info.splits[cfg.data.train_split].filenames]
+    files = source_for(path).shard_addresses(cfg.data.train_split)
     streams = cfg.world_size_planned * max(1, cfg.data.workers)
     if len(files) < streams and any(store.is_remote(f) or f.startswith("pipe:") for f in files):
         print(f"warning: data.path: {len(files)} remote {cfg.data.train_split!r} shards for {streams} loader "
@@ -315,7 +311,7 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
         write_resolved(cfg, folder)
         entry = {"job_id": str(job.job_id), "stage": stage, "folder": str(folder.resolve()), "executor": cluster,
                  "run_dir": _run_dir(stage, cfg, call),
-                 "tasks": cfg.cluster.nodes * cfg.cluster.tasks_per_node, "time": time.time(), **(extra or {})}
+                 "tasks": cfg.world_size_planned, "time": time.time(), **(extra or {})}
         if cfg.cluster.exclude_nodes:  # what the run dir's next job carries over (launch/nodes.py)
             entry["exclude_nodes"] = list(cfg.cluster.exclude_nodes)
         append_index(cfg.cluster.log_dir, entry)

@@ -203,7 +203,7 @@ def run_cell_local(suite: Suite, cell: Cell, parent_run: str | None) -> None:
     extra = [f"tracking.parent_run={parent_run}"] if parent_run else []
     print(f"suite: {cell.name} ...", flush=True)
     rc = run_local(["transfer", "--config", suite.spec.transfer_config, *cell.plus(extra).overrides],
-                   cfg.cluster.nodes * cfg.cluster.tasks_per_node, log=log)
+                   cfg.world_size_planned, log=log)
     finish_cell(suite, cell, rc, log)
 
 

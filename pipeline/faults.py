@@ -30,6 +30,10 @@ SLURMD_NODENAME slurmd gives a task; unset: rank VITP_TEST_KILL_RANK) raise a CU
 so the error record it leaves is a real GPU fault's (launch/nodes.py then leaves the node out); on a
 job's first attempt only.
 
+Out of memory, event "step": VITP_TEST_OOM_AT_STEP=k makes rank VITP_TEST_KILL_RANK raise
+torch.OutOfMemoryError (the class a CUDA OOM raises, also on CPU) before step k, on a job's first attempt
+only, so the requeued attempt (half the micro batch, launch/attempts.py) runs through.
+
 Inf gradient, :func:`poison_grad`: VITP_TEST_INF_GRAD_AT_STEP=k makes step k's loss back-propagate an inf
 gradient on rank VITP_TEST_KILL_RANK (its value stays finite), as an overflow in one rank's backward would.
 
@@ -72,6 +76,7 @@ INF_GRAD_AT_STEP = "VITP_TEST_INF_GRAD_AT_STEP"
 SLOW_BATCH_S = "VITP_TEST_SLOW_BATCH_S"
 HANG_AT_STEP = "VITP_TEST_HANG_AT_STEP"
 CUDA_ERROR_AT_STEP = "VITP_TEST_CUDA_ERROR_AT_STEP"
+OOM_AT_STEP = "VITP_TEST_OOM_AT_STEP"
 FAULT_NODE = "VITP_TEST_FAULT_NODE"
 PAUSE_AT_STEP = "VITP_TEST_PAUSE_AT_STEP"
 PAUSE_FILE = "VITP_TEST_PAUSE_FILE"
@@ -97,6 +102,11 @@ def hit(event: str, at: int, scope: str = "") -> None:
     if event == "step" and CUDA_ERROR_AT_STEP in os.environ and int(os.environ[CUDA_ERROR_AT_STEP]) == at \
             and _chosen_node() and slurm.restart_count() == 0:
         raise RuntimeError("CUDA error: uncorrectable ECC error encountered (test fault)")
+    if event == "step" and OOM_AT_STEP in os.environ and int(os.environ[OOM_AT_STEP]) == at and _chosen_rank() \
+            and slurm.restart_count() == 0:
+        import torch  # only with the variable set: data_prep calls hit() without torch
+
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (test fault)")
     want = os.environ.get(_KILL[event])
     if want is None:
         return

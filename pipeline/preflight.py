@@ -194,16 +194,15 @@ def read_throughput(data_path: str, split: str, node_index: int, budget_mb: int)
     """Read whole shards of ``split`` (this node starts at its own shard) up to ``budget_mb``, with the
     page cache dropped first; MB/s, and the split's mean bytes per sample."""
     from pipeline.data import DataError, read_info
-    from pipeline.data.synthetic import is_synthetic
 
     if not data_path:
         return {"skip": "data.path is empty"}
-    if is_synthetic(data_path):
-        return {"skip": "synthetic data (nothing to read)"}
     try:
         sp = read_info(data_path).split(split)
     except (DataError, OSError) as e:
         return {"error": f"data.path {data_path}: {str(e).splitlines()[0]} (seen from this node)"}
+    if not sp.urls:
+        return {"skip": "no shard files (synthetic data or an image folder)"}
     if any("://" in u or u.startswith("pipe:") for u in sp.urls):
         return {"skip": "remote shards (not measured)"}
     try:

@@ -107,6 +107,29 @@ def after_stop(reason: Stop, term: Stop, requeues: int, max_requeues: int) -> tu
     return _ON_STOP[cause]
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an accelerator running out of memory: torch.OutOfMemoryError (torch.cuda's is the
+    same class), known by its class name so this module stays torch-free."""
+    return any(c.__name__ == "OutOfMemoryError" for c in type(e).__mro__)
+
+
+def after_oom(micro_batch: int) -> tuple[Next, int | None, str | None]:
+    """An attempt a rank's out-of-memory error ended, at ``micro_batch`` (train.micro_batch as it ran):
+    requeue with half of it (train.global_batch kept, so the accumulation doubles and the run continues
+    exactly); fail when it cannot be halved. -> (what next, the next micro batch, why not requeued).
+    Bounded without cluster.max_failures: each one halves."""
+    if micro_batch < 2 or micro_batch % 2:
+        return Next.FAIL, None, f"train.micro_batch {micro_batch} cannot be halved"
+    return Next.REQUEUE, micro_batch // 2, None
+
+
+def micro_batch_now(events: list[dict], planned: int) -> int:
+    """The train.micro_batch an attempt runs with: the last out-of-memory requeue's (events.jsonl, see
+    :func:`after_oom`), else the config's ``planned`` one."""
+    halved = [e["micro_batch"][1] for e in events if e.get("oom") and e.get("requeued")]
+    return halved[-1] if halved else planned
+
+
 def after_failure(retry: bool, failed_before: int, max_failures: int) -> tuple[Next, str | None]:
     """An attempt that failed (a rank died, raised or hung): requeue while a retry could help and fewer
     than ``max_failures`` attempts failed before. -> (what next, why not requeued)."""

@@ -250,11 +250,6 @@ class TrainCfg(Section):
                            f"{self.global_batch}")
         return self
 
-    def check_world(self, world_size: int) -> None:
-        """The global batch splits into equal micro batches over ``world_size`` ranks."""
-        if self.global_batch % (world_size * self.micro_batch):
-            raise ConfigError(f"train.global_batch: {self.global_batch} is not divisible by world size "
-                              f"{world_size} x train.micro_batch {self.micro_batch}")
 
 
 # The dtype DeepSpeed reduces gradients over the ranks in, whatever engine.precision is: the generated

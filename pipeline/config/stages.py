@@ -9,6 +9,7 @@ import os
 
 from pydantic import Field, ValidationInfo, model_validator
 
+from pipeline.config.batch import BatchLayout
 from pipeline.config.sections import (
     CheckpointCfg,
     ClusterCfg,
@@ -92,6 +93,6 @@ def validate(cfg: StageConfig, *, world_size: int | None = None) -> None:
     if ws < 1:
         raise ConfigError(f"world size must be >= 1; got {ws}")
     if isinstance(cfg, Config):
-        cfg.train.check_world(ws)
+        BatchLayout.of(cfg.train, ws)  # the global batch splits over ws ranks
         if cfg.optim.ema is not None and cfg.engine.zero_stage == 3:
             raise ConfigError("optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)")

@@ -23,25 +23,67 @@ import os
 from data_prep import store
 from data_prep.schema import INFO_FILE
 from pipeline.data.minival import MINIVAL, minival_source, stored_split
-from pipeline.data.shards import DataError, Info, SplitInfo, info_file, read_description
+from pipeline.data.shards import DataError, Info, SplitInfo
 from pipeline.data.source import DataSource, EvalBatches, TrainBatches
 
 
 def source_for(path: str) -> DataSource:
-    """The source for ``data.path``: SyntheticSource for ``synthetic[:...]``, else a ShardSource."""
+    """The source for ``data.path``: SyntheticSource for ``synthetic[:...]``, ImageFolderSource for a
+    class-per-folder tree (:func:`is_image_folder`), else a ShardSource (a `vitp prep` output)."""
     from pipeline.data import synthetic
 
     if synthetic.is_synthetic(path):
         return synthetic.SyntheticSource(path)
     if not path:
         raise DataError("data.path: empty; give a `vitp prep` output folder (or synthetic: for a smoke run)")
+    if is_image_folder(path):  # imported only then: the loaders import torch, a command's checks do not
+        from pipeline.data.imagefolder import ImageFolderSource
+
+        return ImageFolderSource(path)
     from pipeline.data.loader import ShardSource
 
     return ShardSource(path)
 
 
+def is_image_folder(path: str) -> bool:
+    """Whether ``path`` is read as an image folder: a folder (or prefix) that is not a `vitp prep`
+    output (no ``_info.json``) and holds sub-folders other than prep's own (``_plan``: an unfinished
+    prep stays a prep output, whose error asks whether prep finished). A tree that is not a valid image
+    folder is still claimed here, so that its error names the folders an image folder needs."""
+    path = str(path)
+
+    def named(name: str) -> bool:
+        return not name.startswith(("_", "."))
+
+    try:
+        if not store.is_remote(path):
+            return os.path.isdir(path) and not os.path.exists(os.path.join(path, INFO_FILE)) and any(
+                e.is_dir() and named(e.name) for e in os.scandir(path))
+        if store.exists(store.join(path, INFO_FILE)):
+            return False
+        fs, root = store.filesystem(path)
+        return any(e.get("type") == "directory" and named(e["name"].rstrip("/").rsplit("/", 1)[-1])
+                   for e in fs.ls(root, detail=True))
+    except OSError:
+        return False  # the shard reader's error names what is missing
+
+
 def read_info(path: str) -> Info:
     return source_for(path).read_info()
+
+
+def local_source(path: str) -> DataSource | None:
+    """The source of ``data.path`` when it can be read here without the network and is there (a
+    synthetic spec, a folder): planning and other estimates work without data; None otherwise."""
+    spec = str(path).split(":", 1)[0] == "synthetic"  # synthetic.is_synthetic, without importing torch
+    if not path or store.is_remote(path) or not (spec or os.path.exists(path)):
+        return None
+    src = source_for(path)
+    try:
+        src.split_sizes()
+    except DataError:
+        return None  # not (yet) a dataset: a prep that has not finished
+    return src
 
 
 def num_classes(data_cfg, model_classes: int = 0) -> int:
@@ -66,19 +108,9 @@ def check_splits(path: str | os.PathLike, splits: dict[str, str | None], *, mini
         data.val_split: 'val' not in SHARDS/_info.json (has: train); re-run vitp prep with --val-fraction ...
     """
 
-    from pipeline.data import synthetic
-
     want = {k: (minival_from if v == MINIVAL and minival_from else v) for k, v in splits.items() if v}
-    if synthetic.is_synthetic(str(path)):
-        where = f"data.path {path}"
-        has = {k: sp.num_samples for k, sp in synthetic.read_info(str(path)).splits.items()}
-    else:
-        info_file(path)  # a missing description is one line worded as every reader words it
-        try:
-            has = {k: len(sp.filenames) for k, sp in read_description(path).splits.items()}
-        except DataError as e:
-            raise DataError(f"data.path: {e}") from None
-        where = store.public(store.join(str(path), INFO_FILE))
+    src = source_for(str(path))
+    has, where = src.split_sizes(), src.where()
     for key, name in want.items():
         hint = _HINTS.get(key, "re-run vitp prep or pick another split")
         if name not in has:
@@ -112,4 +144,4 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
 
 
 __all__ = ["DataError", "DataSource", "EvalBatches", "Info", "SplitInfo", "TrainBatches", "dataset_inputs",
-           "check_splits", "minival_source", "num_classes", "stored_split", "read_info", "source_for"]
+           "check_splits", "local_source", "minival_source", "num_classes", "stored_split", "read_info", "source_for"]

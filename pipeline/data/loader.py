@@ -379,3 +379,29 @@ class ShardSource(ClassLoaders, DataSource):
 
     def source_fields(self) -> dict:
         return {"uri": store.public(self.path) if store.is_remote(self.path) else os.path.abspath(self.path)}
+
+    def where(self) -> str:
+        from .shards import INFO_FILE
+
+        return store.public(store.join(self.path, INFO_FILE))
+
+    def check_reachable(self, key: str) -> None:
+        from .shards import INFO_FILE
+
+        if store.is_remote(self.path):
+            store.check_readable(store.join(self.path, INFO_FILE), key)
+
+    def split_sizes(self) -> dict[str, int]:
+        """Shards per split, from ``_info.json`` alone (no shard is listed or counted)."""
+        from .shards import DataError, info_file, read_description
+
+        info_file(self.path)  # a missing description is one line worded as every reader words it
+        try:
+            return {k: len(sp.filenames) for k, sp in read_description(self.path).splits.items()}
+        except DataError as e:
+            raise DataError(f"data.path: {e}") from None
+
+    def shard_addresses(self, split: str) -> list[str]:
+        from .shards import read_description
+
+        return [store.join(self.path, f) for f in read_description(self.path).splits[split].filenames]

@@ -123,6 +123,29 @@ class DataSource(ABC):
         """Where the data came from, as MLflow's dataset ``source`` (JSON) says it."""
         return {"spec": self.path}
 
+    def where(self) -> str:
+        """The address error messages and plans name for the dataset's description."""
+        from data_prep import store
+
+        return store.public(self.path)
+
+    def check_reachable(self, key: str) -> None:
+        """A remote dataset answers (bucket, 403, 404) before anything is queued: one line naming
+        ``key`` and the address (data_prep.store.AddressError) otherwise; a local one is not probed."""
+        from data_prep import store
+
+        if store.is_remote(self.path):
+            store.check_readable(self.path, key)
+
+    def split_sizes(self) -> dict[str, int]:
+        """{split: its size, 0 when empty} for the split checks made before a run starts."""
+        return {k: sp.num_samples for k, sp in self.read_info().splits.items()}
+
+    def shard_addresses(self, split: str) -> list[str]:
+        """The files ``split`` is streamed from, as its description names them (none are opened):
+        submission warns when too few remote ones feed the loader streams. [] for data without shards."""
+        return []
+
 
 class ClassLoaders:
     """``train_loader``/``eval_loader``/``_read_info`` for a source whose loaders are two classes that

@@ -17,6 +17,7 @@ import json
 
 import torch
 
+from pipeline.config.batch import BatchLayout
 from pipeline.data.shards import Info, SplitInfo
 from pipeline.data.source import ClassLoaders, DataSource
 
@@ -78,7 +79,7 @@ class TrainLoader:
         self.img_size, self.micro, self.global_batch = img_size, micro_batch, global_batch
         self.rank, self.world, self.seed = rank, world_size, seed
         self.pin_memory = pin_memory
-        self.accum = global_batch // (micro_batch * world_size)
+        self.accum = BatchLayout(global_batch, micro_batch, world_size).accumulation
         self.n = self.spec["train"]
         self.steps_per_epoch = max(1, self.n // global_batch)
         self._templates = _templates(self.spec["classes"], img_size)
@@ -176,6 +177,9 @@ class SyntheticSource(ClassLoaders, DataSource):
 
     train_loader_class, eval_loader_class = TrainLoader, EvalLoader
     info_reader = staticmethod(read_info)
+
+    def where(self) -> str:
+        return f"data.path {self.path}"
 
     def split_labels(self, split: str, rank: int, world_size: int) -> dict[int, list]:
         spec = parse_spec(self.path)

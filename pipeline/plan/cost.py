@@ -27,7 +27,6 @@ shows both step times and what the schedule saves against patch_drop=0.
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 from pipeline.config.sections import REDUCE_DTYPE
 from pipeline.plan.checkpoint import checkpoint_cost, report_lines
@@ -47,14 +46,15 @@ class PlanError(ValueError):
 
 
 def _data_info(cfg):
-    """The dataset's Info when data.path names one, else None (planning works without data)."""
-    from pipeline.data import DataError, read_info
-    from pipeline.data.synthetic import is_synthetic
+    """(the dataset's Info, where it is described) when data.path names one here, else (None, "")
+    (planning works without data)."""
+    from pipeline.data import DataError, local_source
 
-    if not cfg.data.path or not (is_synthetic(cfg.data.path) or (Path(cfg.data.path) / "_info.json").is_file()):
-        return None
+    src = local_source(cfg.data.path)
+    if src is None:
+        return None, ""
     try:
-        return read_info(cfg.data.path)
+        return src.read_info(), src.where()
     except DataError as e:
         raise PlanError(str(e)) from None
 
@@ -74,9 +74,9 @@ def model_shape(cfg, num_classes: int | None = None) -> tuple[ModelShape, str]:
     if k is None and m.num_classes:
         k, src = m.num_classes, "model.num_classes"
     if k is None:
-        info = _data_info(cfg)
+        info, where = _data_info(cfg)
         if info is not None:
-            k, src = info.num_classes, f"{cfg.data.path}/_info.json"
+            k, src = info.num_classes, where
     if k is None:
         k, src = DEFAULT_CLASSES, "assumed JFT-300M (set model.num_classes)"
     shape = ModelShape.from_dims(**dims, img_size=m.img_size, num_classes=k, pool=m.pool,
@@ -89,10 +89,10 @@ def dataset_size(cfg, override: int | None) -> tuple[int, str]:
         if override < 1:
             raise PlanError(f"--dataset-size: must be >= 1; got {override}")
         return override, "--dataset-size"
-    info = _data_info(cfg)
+    info, where = _data_info(cfg)
     split = info.splits.get(cfg.data.train_split) if info is not None else None
     if split is not None and split.num_samples:
-        return split.num_samples, f"{cfg.data.path}/_info.json"
+        return split.num_samples, where
     return DEFAULT_DATASET, "assumed JFT-300M"
 
 
@@ -134,7 +134,7 @@ def step_time(cfg, shape: ModelShape, patch_drop: float | None = None) -> dict:
     from pipeline.model.flops import train_step_flops
 
     c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
-    n = c.nodes * c.tasks_per_node
+    n = cfg.world_size_planned
     per_rank = t.global_batch // n
     accum = per_rank // t.micro_batch
     # time counts what the GPU executes (checkpointing runs the forward again); model FLOPs (MFU,
@@ -179,7 +179,7 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
          headroom: float = 0.0, shape: ModelShape | None = None) -> dict:
     """Everything `vitp plan` reports, as plain numbers (bytes, seconds)."""
     c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
-    n = c.nodes * c.tasks_per_node
+    n = cfg.world_size_planned
     if n < 1:
         raise PlanError(f"world size must be >= 1; got {n}")
     if t.micro_batch > t.global_batch:

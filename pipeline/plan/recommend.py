@@ -36,7 +36,7 @@ def _variant(cfg, stage: int, checkpointing: bool):
 
 def options(cfg, shape: ModelShape, *, backend: str = "cuda", headroom: float = 0.0) -> list[dict]:
     """One row per (stage, checkpointing): GiB per GPU, fits, bytes sent per rank per step, step seconds."""
-    n = cfg.cluster.nodes * cfg.cluster.tasks_per_node
+    n = cfg.world_size_planned
     accum = max(cfg.train.global_batch // (n * cfg.train.micro_batch), 1)
     budget = cfg.hardware.device_mem_gb * GiB * (1 - headroom)
     rows = []
@@ -59,7 +59,7 @@ def recommend(cfg, shape: ModelShape, *, backend: str = "cuda", headroom: float 
     """{"stage", "checkpointing", "reason", "options"}; stage None when nothing fits (then the reason
     says what to change)."""
     rows = options(cfg, shape, backend=backend, headroom=headroom)
-    n = cfg.cluster.nodes * cfg.cluster.tasks_per_node
+    n = cfg.world_size_planned
     plain = [r for r in rows if not r["checkpointing"] and r["fits"]]
     pool = plain or [r for r in rows if r["checkpointing"] and r["fits"]]
     where = f"{n} GPUs of {cfg.hardware.device_mem_gb:g} GB, micro batch {cfg.train.micro_batch} x accumulation " \

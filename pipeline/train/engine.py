@@ -117,8 +117,10 @@ def _on_gpu() -> bool:
 
 
 def grad_accumulation(cfg, world_size: int) -> int:
-    t = cfg.train
-    return t.global_batch // (t.micro_batch * world_size)
+    from pipeline.config.batch import BatchLayout
+
+    t = cfg.train  # read here: the builder hands the engine its sections once (tests/cfg_walk.py)
+    return BatchLayout(t.global_batch, t.micro_batch, world_size).accumulation
 
 
 def deepspeed_config(cfg, world_size: int, *, load_universal: bool = False) -> dict:

@@ -115,6 +115,44 @@ def test_end_of_attempt_leaves_what_the_ranks_recorded_and_skips_hopeless_retrie
     assert requeued == [] and read_events(folder)[-1]["why"] == "a retry would fail the same way"
 
 
+def test_an_out_of_memory_rank_is_requeued_with_half_the_micro_batch_until_it_cannot_be_halved(tmp_path, monkeypatch):
+    """The OOM rank's record carries the micro batch it ran at: the teardown requeues with half of it (not
+    spending cluster.max_failures=0), the next attempt's job body reads it back; at 1 the job fails."""
+    import torch
+
+    from launch.preempt import write_error
+    from pipeline.stops import after_oom, micro_batch_now, out_of_memory
+
+    assert out_of_memory(torch.OutOfMemoryError("x")) and out_of_memory(torch.cuda.OutOfMemoryError("x"))
+    assert not out_of_memory(RuntimeError("CUDA error: out of memory in a message only"))
+    assert after_oom(16) == ("requeue", 8, None)
+    assert after_oom(1) == ("fail", None, "train.micro_batch 1 cannot be halved")
+    assert after_oom(3)[0] == "fail"
+    requeued, lines = [], []
+    for restart, micro in ((0, 16), (1, 8)):
+        folder, env = _job(tmp_path, ATTEMPT_MARK.format(restart=restart, job=12) + "\n"
+                           "srun: error: node2: task 1: Exited with exit code 1\n", restart=restart)
+        monkeypatch.setenv("SLURM_RESTART_COUNT", str(restart))  # write_error stamps the attempt it ran in
+        write_error(folder, 1, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), micro)
+        assert end_of_attempt(tmp_path, 1, max_failures=0, environ=env, requeue=requeued.append) == 0
+        lines.append(describe(read_events(folder)[-1]))
+    assert requeued == ["12", "12"] and micro_batch_now(read_events(folder), 16) == 4
+    assert lines == ["attempt 0: out of memory on rank 1 at train.micro_batch 16; requeued with train.micro_batch 8 "
+                     "(train.global_batch kept)",
+                     "attempt 1: out of memory on rank 1 at train.micro_batch 8; requeued with train.micro_batch 4 "
+                     "(train.global_batch kept)"]
+    (tmp_path / "one").mkdir()
+    folder, env = _job(tmp_path / "one", "srun: error: node2: task 1: Exited with exit code 1\n")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    write_error(folder, 1, torch.OutOfMemoryError("CUDA out of memory."), 1)
+    assert end_of_attempt(tmp_path / "one", 1, max_failures=3, environ=env, requeue=requeued.append) == 1
+    last = read_events(folder)[-1]
+    assert (last["requeued"], last["micro_batch"], last["error"]) == (
+        False, [1, None], "OutOfMemoryError: CUDA out of memory. at train.micro_batch 1, which cannot be halved")
+    assert describe(last) == ("attempt 0: out of memory on rank 1 at train.micro_batch 1; not requeued "
+                              "(train.micro_batch 1 cannot be halved)")
+
+
 def test_retried_errors():
     from pipeline.config import ConfigError
     from pipeline.rundir import RunDirBusy

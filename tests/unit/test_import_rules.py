@@ -260,6 +260,48 @@ def test_layers_import_only_downwards():
     assert not found, "\n".join(found)
 
 
+# Inside the library, top to bottom (imports inside functions count too): train runs everything; eval,
+# weights and plan never import train; data, tracking and faults import none of those above them.
+INNER = {"pipeline.train": 2, "pipeline.eval": 1, "pipeline.weights": 1, "pipeline.plan": 1,
+         "pipeline.data": 0, "pipeline.tracking": 0, "pipeline.faults": 0}
+# arrows up still there, each to go: weights reads the checkpoint layout from train/checkpoint.py
+KNOWN_UP = {("pipeline.weights", "pipeline.train"), ("pipeline.weights", "pipeline.train.checkpoint")}
+
+
+def inner_layer(module: str) -> int | None:
+    return next((v for k, v in INNER.items() if module == k or module.startswith(k + ".")), None)
+
+
+def inner_violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(importer, imported) pairs inside the library that point upward; a ground-floor module that
+    imports the library, a stage or launch is one too."""
+    out = set()
+    for mod, targets in graph.items():
+        for t in targets:
+            me, there = inner_layer(mod), inner_layer(t)
+            if me is not None and there is not None and there > me:
+                out.add((mod, t))
+            if layer(mod) == 0 and mod != "pipeline" and (layer(t) or 0) > 0:
+                out.add((mod, t))
+    return out
+
+
+def test_library_layers_import_only_downwards():
+    found = inner_violations(import_graph())
+    assert found == KNOWN_UP, "arrows up inside pipeline/: " + "; ".join(f"{a} -> {b}" for a, b in sorted(found))
+
+
+def test_a_planted_arrow_up_fails_the_library_layers():
+    graph = import_graph()
+    assert ("pipeline.eval.task", "pipeline.train.loss") not in inner_violations(graph)
+    planted = {**graph, "pipeline.eval.task": {*graph["pipeline.eval.task"], "pipeline.train.loss"},
+               "pipeline.config.stages": {*graph["pipeline.config.stages"], "pipeline.data"}}
+    assert inner_violations(planted) - inner_violations(graph) == {("pipeline.eval.task", "pipeline.train.loss"),
+                                                                   ("pipeline.config.stages", "pipeline.data")}
+    lazy = "def f():\n    from pipeline.train import loss\n"  # an import inside a function is an arrow too
+    assert "pipeline.train.loss" in imports(lazy, "pipeline.eval.task")
+
+
 def test_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)

@@ -371,3 +371,23 @@ def test_forever_keeps_its_workers_across_epochs_with_the_same_batches(data, mon
     tail = [(x, y, list(k)) for x, y, k in itertools.islice(resumed.forever(), 3)]
     assert [k for *_, k in tail] == [k for *_, k in expected[-3:]]
     assert all(torch.equal(a[0], b[0]) for a, b in zip(tail, expected[-3:]))
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pin_memory_pins_the_labels_with_the_images(data, workers, monkeypatch):
+    """The labels cross from the workers as numpy: with pin_memory they are pinned here, as the images
+    are, so neither reaches the GPU from pageable memory. (Pinning needs an accelerator: this machine's
+    pin_memory is recorded instead; tests/gpu pins for real.)"""
+    cfg, _ = data
+    pinned: set[int] = set()
+
+    def pin(self):
+        out = self.clone()
+        pinned.add(out.data_ptr())
+        return out
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: self.data_ptr() in pinned)
+    ld = loader(replace(cfg, workers=workers), pin_memory=True)
+    for x, y, _ in itertools.islice(iter(ld), 3):
+        assert x.data_ptr() in pinned and y.data_ptr() in pinned and y.dtype == torch.int64

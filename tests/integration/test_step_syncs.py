@@ -16,6 +16,7 @@ DeepSpeed's throughput timer starts synchronising at its third step.
 """
 
 import collections
+import gc
 import json
 import linecache
 import numbers
@@ -112,6 +113,12 @@ def main(run_dir: str, stage: str) -> None:
             now["step"] = at
         return hit(event, at, scope)
     faults.hit = step_starts
+    full: dict[int, int] = collections.Counter()  # generation-2 collections by step: only at log steps
+
+    def collecting(phase, info):
+        if phase == "start" and info["generation"] == 2 and now["step"]:
+            full[now["step"]] += 1
+    gc.callbacks.append(collecting)
 
     cfg = load_config(ROOT / "configs/pretrain/tiny_cpu.yaml", [*OVERRIDES, f"engine.zero_stage={stage}",
                                                                  f"run.dir={run_dir}"])
@@ -133,6 +140,7 @@ def main(run_dir: str, stage: str) -> None:
     now["step"] = 0
     rank, _ = rank_world()
     (Path(run_dir) / f"syncs.{rank}.json").write_text(json.dumps({s: seen[s] for s in PLAIN_STEPS}))
+    (Path(run_dir) / f"gc.{rank}.json").write_text(json.dumps(full))
 
 
 @pytest.mark.parametrize("stage", [2, 1])
@@ -148,6 +156,8 @@ def test_plain_step_syncs_at_most_what_the_readme_documents(tmp_path, stage):
         if stage == 2:  # each micro batch's backward ends in DeepSpeed's synchronize under overlap_comm
             assert all(sum(c.startswith("synchronize (on a GPU)") for c in calls) == 2 for calls in seen.values())
         assert any(calls for calls in seen.values())  # the counter sees the step's reads at all
+        full = json.loads((tmp_path / f"gc.{rank}.json").read_text())
+        assert set(full) == {"6"}, full  # generation 2 at the log step only (pipeline/train/collector.py)
     readme = (ROOT / "README.md").read_text()
     counted = rf"\b{DOCUMENTED[stage]} host syncs per plain step at ZeRO-{stage}\b"
     assert re.search(counted, readme), "the README states the count"

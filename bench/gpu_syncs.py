@@ -13,6 +13,13 @@ run ends right after, without its final checkpoint. Per step, one ratio line eac
     plain_step_dtoh_copies_gpu   device-to-host copies on the GPU (a pageable one also blocks the host)
     plain_step_scalar_reads_gpu  aten::_local_scalar_dense: .item()/.tolist() of a tensor (on a GPU: of a
                                  device tensor, each a copy and a sync; on the CPU: every one)
+    plain_step_pageable_htod_gpu host-to-device copies from pageable memory (each waits for the stream's
+                                 earlier work: DeepSpeed's torch.tensor(-1.0, device=...) was one per group)
+
+Before measuring it prints what it will check (``expect NAME <= N``, the README's count for this run:
+ZeRO-2 bf16 on one GPU, accumulation 1: one synchronize() after backward under overlap_comm, the loop's
+event wait for the previous step's flags, no scalar read, no pageable copy); on a GPU a figure above
+its expectation fails the run (exit 1) after every ratio line is printed.
 
 DIR/syncs.txt names the Python line under each counted event; DIR/syncs_trace.json.gz is the trace
 (left out above 15 MiB). On the CPU every CUDA figure is 0: the smoke exercises the path, not the count.
@@ -42,6 +49,9 @@ SMOKE = ["model.width=32", "model.depth=2", "model.heads=2", "model.mlp_dim=64",
          "train.global_batch=4", "data.val_split="]
 GPU = ["engine.precision=bf16", "engine.backend=nccl", "cluster.gpus_per_node=1", "data.workers=4"]
 TRACE_LIMIT = 15 * 2**20
+# the README's counts per plain step for this run (ZeRO-2, bf16, one rank, accumulation 1)
+EXPECT = {"plain_step_syncs_gpu": 1, "plain_step_event_syncs_gpu": 1, "plain_step_scalar_reads_gpu": 0,
+          "plain_step_pageable_htod_gpu": 0}
 PY_FRAME = re.compile(r"\.py\(\d+\): ")
 
 
@@ -142,6 +152,8 @@ def count(prof, steps: int) -> tuple[dict[str, float], Counter]:
         "plain_step_event_syncs_gpu": names[EVENT_SYNC] / steps,
         "plain_step_dtoh_copies_gpu": sum(v for n, v in names.items() if n.startswith("Memcpy DtoH")) / steps,
         "plain_step_scalar_reads_gpu": names[SCALAR_READ] / steps,
+        "plain_step_pageable_htod_gpu": sum(v for n, v in names.items()
+                                            if n.startswith("Memcpy HtoD") and "Pageable" in n) / steps,
     }
     sites = Counter((e.name, where(e)) for e in events if e.name in (*HOST_SYNCS, EVENT_SYNC, SCALAR_READ))
     return figures, sites
@@ -163,6 +175,8 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     a.run_dir = a.run_dir or a.out.parent / "syncs_run"
     shutil.rmtree(a.run_dir, ignore_errors=True)
+    for k, v in EXPECT.items():
+        print(f"expect {k} <= {v}", flush=True)
     prof = profile_steps(a)
     figures, sites = count(prof, a.steps)
     lines = [f"{n:<28s} {k / a.steps:6.2f}/step  {w}" for (n, w), k in sorted(sites.items(), key=lambda x: -x[1])]
@@ -170,7 +184,20 @@ def main(argv=None) -> int:
                                      + "".join(f"{k} {v:.2f}\n" for k, v in figures.items())
                                      + "where (event, per step, innermost vitp/DeepSpeed line):\n"
                                      + "".join(line + "\n" for line in lines))
-    trace = a.out / "syncs_trace.json"
+    print("\n".join(lines), file=sys.stderr)
+    for k, v in figures.items():  # the figures first: exporting the trace takes long and may be cut short
+        print(f"ratio {k} {v:.4f}", flush=True)
+    export_trace(prof, a.out / "syncs_trace.json")
+    over = [k for k, v in figures.items() if k in EXPECT and v > EXPECT[k]]
+    if over and not a.smoke:
+        print(f"syncs: above the README's count: {', '.join(f'{k} {figures[k]:g} > {EXPECT[k]}' for k in over)}",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def export_trace(prof, trace: Path) -> None:
+    """The profiler trace, gzipped, beside syncs.txt (left out above TRACE_LIMIT)."""
     prof.export_chrome_trace(str(trace))
     with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb", compresslevel=6) as g:
         shutil.copyfileobj(f, g)
@@ -178,10 +205,6 @@ def main(argv=None) -> int:
     if Path(f"{trace}.gz").stat().st_size > TRACE_LIMIT:
         Path(f"{trace}.gz").unlink()
         print(f"syncs: the trace is over {TRACE_LIMIT >> 20} MiB gzipped; left out", file=sys.stderr)
-    print("\n".join(lines), file=sys.stderr)
-    for k, v in figures.items():
-        print(f"ratio {k} {v:.4f}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

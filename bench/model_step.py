@@ -21,14 +21,22 @@ is part of the timed step), in the same interleaved rounds:
 
 with the S/16 ones also as the headlines `ratio train_step_patchdrop50_vs_full` and `..._vs_timm`.
 
-    python bench/model_step.py                 # S/16 224 px batch 8 and a small config, 2 threads
+One process's ratio is one sample: allocator state, thread placement and what else the machine runs
+differ from process to process (six processes of S/16 once gave train_step_vs_timm from 0.84 to 1.16).
+So the interleaved rounds run in --processes fresh processes (default 3), one after the other; each
+`ratio` line is the median of their ratios, and a `# NAME: median M, range LO-HI` line follows it with
+every process's value.
+
+    python bench/model_step.py                 # S/16 224 px batch 8 and a small config, 2 threads, 3 processes
     python bench/model_step.py --compile       # + torch.compile(vitp) vs eager vitp (small config)
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,6 +125,35 @@ def spread(raw: dict, num: str, den: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run ``--processes`` fresh processes of :func:`measure`, one after the other; print the median and
+    the range of each ratio over them."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--processes", type=int, default=3)
+    ap.add_argument("--child", action="store_true")
+    a, rest = ap.parse_known_args(argv)
+    if a.child or {"-h", "--help"} & set(rest):
+        measure(rest)
+        return
+    if a.processes < 1:
+        sys.exit(f"--processes: must be >= 1; got {a.processes}")
+    runs: list[dict[str, float]] = []
+    for i in range(a.processes):
+        r = subprocess.run([sys.executable, __file__, "--child", *rest], capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"bench: process {i + 1} failed: {r.stderr.strip().splitlines()[-1:] or r.returncode}")
+        print("\n".join(f"# process {i + 1}: {line[2:]}" for line in r.stdout.splitlines() if line.startswith("# ")),
+              flush=True)
+        runs.append({k: float(v) for k, v in re.findall(r"^ratio (\S+) (\S+)$", r.stdout, re.M)})
+    for name in runs[0]:
+        values = [run[name] for run in runs if name in run]
+        print(f"ratio {name} {statistics.median(values):.3f}")
+        print(f"# {name}: median {statistics.median(values):.3f}, range {min(values):.3f}-{max(values):.3f} "
+              f"({len(values)} processes: {' '.join(f'{v:.3f}' for v in values)})", flush=True)
+
+
+def measure(argv: list[str] | None = None) -> None:
+    """One process: the interleaved rounds of every config; one `ratio` line per figure."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--steps", type=int, default=11, help="timed rounds (median); every model runs once a round")
@@ -124,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(vitp)")
     ap.add_argument("--compile-config", default="small", choices=list(CONFIGS))
+    ap.add_argument("--processes", type=int, default=3,
+                    help="fresh processes, one after the other (the ratios' median and range)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for name in args.configs:

@@ -45,7 +45,8 @@ def add_preflight_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allreduce-mb", type=float, default=DEFAULTS["allreduce_mb"],
                    help=f"all-reduce message size in MiB (default {DEFAULTS['allreduce_mb']:g})")
     p.add_argument("--min-fabric", type=float, default=DEFAULTS["min_fabric"],
-                   help="fraction of hardware.inter_node_gbps/intra_node_gbps NCCL's bus bandwidth must reach "
+                   help="fraction of the bus bandwidth vitp plan assumes (NVLink, or across nodes "
+                        "hardware.nics_per_node x inter_node_gbps) NCCL's bus bandwidth must reach "
                         f"(default {DEFAULTS['min_fabric']:g})")
     p.add_argument("--time-min", type=int, default=DEFAULTS["time_min"],
                    help=f"time limit of the preflight job in minutes (default {DEFAULTS['time_min']})")

@@ -270,12 +270,11 @@ def plan_main(argv: list[str]) -> int:
         PlanError,
         format_report,
         format_sweep,
-        load_planned,
         model_shape,
         parse_sweep,
         plan,
-        sweep,
     )
+    from pipeline.plan.planned import load_planned, sweep
     from pipeline.plan.recommend import format_recommendation, recommend
 
     p = parser_for("plan", "Memory per GPU, step time, throughput and cost of a pre-training run, on paper, "

@@ -55,7 +55,25 @@ def load_submit_config(recipe: str | None, overrides: list[str], resources: str 
     on top of it, then dotted overrides; validated as ``stage``'s config for the planned world size."""
     from pipeline.config import load_config
 
-    return load_config(recipe, overrides, resources=resources, schema=stage_schema(stage))
+    cfg = load_config(recipe, overrides, resources=resources, schema=stage_schema(stage))
+    return resolved_stage(cfg) if stage == "pretrain" else cfg
+
+
+def resolved_stage(cfg):
+    """``engine.zero_stage: auto`` replaced by the stage `vitp plan` recommends for the cluster
+    section (printed in one line), checked again for the chosen stage; any other config as it is."""
+    from pipeline.config import ConfigError, validate
+    from pipeline.plan.cost import PlanError
+    from pipeline.plan.recommend import resolve_zero_stage
+
+    try:
+        cfg, note = resolve_zero_stage(cfg)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+    if note:
+        print(note, flush=True)
+        validate(cfg, world_size=cfg.world_size_planned)
+    return cfg
 
 
 def slurm_parameters(cfg) -> dict:

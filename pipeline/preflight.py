@@ -7,13 +7,13 @@ gathers and judges:
 
     driver      torch's CUDA build vs the node's NVIDIA driver (pipeline.driver's table)
     gpus        GPUs visible per task, the device each rank takes, LOCAL_RANK vs that device
-    all-reduce  bus bandwidth over every rank: NCCL on GPUs (vs hardware.*_gbps), gloo on CPU
+    all-reduce  bus bandwidth over every rank: NCCL on GPUs (vs the bus bandwidth vitp plan assumes), gloo on CPU
     side group  a barrier on the gloo side group (the one rank-0-only waits use), its interface
     run.dir     write + fsync throughput per node; a checkpoint must fit in cluster.signal_delay_s
     shards      read throughput per node (page cache dropped) vs what `vitp plan`'s step rate needs
 
 Bus bandwidth is nccl-tests' (``all_reduce_perf``): algbw = bytes / time, busbw = algbw x 2(n-1)/n,
-the per-rank link rate a ring all-reduce achieved, comparable to the fabric's per-GPU figure.
+the per-rank link rate a ring all-reduce achieved, the rate `vitp plan` moves a rank's bytes at.
 A check never raises out of a rank (the others would wait in the next collective): its failure is a
 row; rank 0's verdict names the first failed row in one line.
 """
@@ -52,10 +52,11 @@ def bus_bandwidth(nbytes: float, seconds: float, world: int) -> float:
 
 
 def fabric_gbps(hardware, nodes: int) -> tuple[float, str]:
-    """The fabric figure a ring over the job's ranks runs at: inter-node when it spans nodes."""
-    if nodes > 1:
-        return hardware.inter_node_gbps, "hardware.inter_node_gbps"
-    return hardware.intra_node_gbps, "hardware.intra_node_gbps"
+    """The bus bandwidth `vitp plan` assumes a ring over the job's ranks runs at, and that assumption
+    in words (pipeline/plan/cost.py: NVLink on one node, the NIC rails across nodes)."""
+    from pipeline.plan.cost import bus_assumption, bus_gbps
+
+    return bus_gbps(hardware, nodes), bus_assumption(hardware, nodes)
 
 
 def checkpoint_bytes(params: int, precision: str) -> int:
@@ -388,10 +389,10 @@ def _collective_rows(cfg, coll, reports, world, nodes, want_gpus, want_nccl, min
         fabric, key = fabric_gbps(cfg.hardware, nodes)
         if "nccl_s" not in coll:
             bad = next((f"{r['host']} rank {r['rank']}" for r in reports if r["device"] is None), "a rank")
-            rows.append(Row("nccl", "all", FAIL, f"not run: no usable GPU on {bad}", f"{key} {fabric:g} GB/s"))
+            rows.append(Row("nccl", "all", FAIL, f"not run: no usable GPU on {bad}", key))
         elif world >= 2:
             bus = bus_bandwidth(coll["bytes"], coll["nccl_s"], world)
-            need = f">= {min_fabric:g} x {key} {fabric:g} GB/s"
+            need = f">= {min_fabric:g} x {key}"
             rows.append(Row("nccl", "all", OK if bus >= min_fabric * fabric else FAIL,
                             f"NCCL {size}: bus {bus:.1f} GB/s ({coll['nccl_s'] * 1e3:.2f} ms)", need))
     routes = ", ".join(f"{r['host']} via {r['route']}" + (f" ({r['ifname']})" if r["ifname"] else "")

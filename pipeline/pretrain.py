@@ -20,8 +20,21 @@ from pipeline.weights import build_model
 
 def pretrain(cfg: Config) -> Result:
     setup(cfg)
+    cfg = stage_chosen(cfg)
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
         run = build_run(cfg, lambda num_classes: build_model(cfg, num_classes), stage="pretrain")
         result = train(run)
         claim.finished = result.status == "completed"
     return result
+
+
+def stage_chosen(cfg: Config) -> Config:
+    """A config that reached the stage with ``engine.zero_stage: auto`` (not through `vitp submit`,
+    which resolves it): the stage `vitp plan` recommends for its cluster section, said once."""
+    from pipeline.distributed import rank0_print
+    from pipeline.plan.recommend import resolve_zero_stage
+
+    cfg, note = resolve_zero_stage(cfg)
+    if note:
+        rank0_print(note)
+    return cfg

@@ -73,7 +73,15 @@ def _mapping(v):
     return {str(k): x for k, x in v.items()}
 
 
+def _zero_stage(v):
+    if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 3):
+        return v
+    raise _refuse("0, 1, 2, 3 or auto", v)
+
+
 Int = Annotated[int, BeforeValidator(_int)]
+# "auto": `vitp plan`'s recommendation, taken when the run is submitted (pipeline/plan/recommend.py)
+ZeroStage = Annotated[int | str, BeforeValidator(_zero_stage)]
 Float = Annotated[float, BeforeValidator(_float)]
 Bool = Annotated[bool, BeforeValidator(_bool)]
 Str = Annotated[str, BeforeValidator(_str)]
@@ -260,7 +268,7 @@ REDUCE_DTYPE = "fp32"
 
 class EngineCfg(Section):
     precision: one_of("fp32", "bf16", "fp16") = "fp32"
-    zero_stage: Int = Field(1, ge=0, le=3)
+    zero_stage: ZeroStage = 1  # 0-3, or "auto": the stage `vitp plan` recommends, chosen at submission
     offload_optimizer: Bool = False
     offload_params: Bool = False
     backend: one_of("auto", "nccl", "gloo") = "auto"
@@ -349,7 +357,8 @@ class HardwareCfg(Section):
     peak_tflops: Float = Field(989.0, gt=0)  # per device, for MFU (H100 SXM bf16 dense)
     device_mem_gb: Float = Field(80.0, gt=0)
     intra_node_gbps: Float = Field(450.0, gt=0)  # GB/s per GPU (NVLink)
-    inter_node_gbps: Float = Field(50.0, gt=0)  # GB/s per GPU (InfiniBand 400 Gb/s)
+    inter_node_gbps: Float = Field(50.0, gt=0)  # GB/s per NIC (InfiniBand 400 Gb/s)
+    nics_per_node: Int = Field(8, ge=1)  # NIC rails between nodes (NCCL runs a ring per rail)
     assumed_mfu: Float = Field(0.5, gt=0.0, le=1.0)
     storage_write_gbps: Float = Field(5.0, gt=0)  # GB/s the job's checkpoint writes reach, all ranks together
     host_copy_gbps: Float = Field(20.0, gt=0)  # GB/s per rank copying its states to host memory (pinned, PCIe)

@@ -89,15 +89,24 @@ def _unwire(batch: tuple) -> tuple:
     return tuple(torch.from_numpy(x) if isinstance(x, np.ndarray) else x for x in batch)
 
 
+def _pinned(batch: tuple) -> tuple:
+    """Every tensor of ``batch`` in page-locked memory. DataLoader's pin_memory pins what crossed from
+    the workers as a tensor (the images); the labels crossed as numpy (:func:`_wire`) and would reach
+    the GPU from pageable memory, a copy that waits for the stream's earlier work."""
+    return tuple(x.pin_memory() if isinstance(x, torch.Tensor) and not x.is_pinned() else x for x in batch)
+
+
 def _batches(ds: IterableDataset, workers: int, pin_memory: bool = False):
-    """The dataset's items through ``workers`` processes (0: in this process), as tensors."""
+    """The dataset's items through ``workers`` processes (0: in this process), as tensors (pinned, all
+    of them, with ``pin_memory``)."""
+    pin = _pinned if pin_memory else (lambda batch: batch)
     if workers <= 0:
-        yield from _one_line_errors(map(_unwire, ds))
+        yield from _one_line_errors(map(pin, map(_unwire, ds)))
         return
     it = iter(DataLoader(ds, batch_size=None, num_workers=workers, worker_init_fn=init_worker,
                          collate_fn=collate_as_is, pin_memory=pin_memory, persistent_workers=False))
     try:
-        yield from _one_line_errors(map(_unwire, it))
+        yield from _one_line_errors(map(pin, map(_unwire, it)))
     finally:
         end_workers(it)
 

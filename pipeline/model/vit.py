@@ -120,9 +120,13 @@ class Attention(nn.Module):
         B, T, D = x.shape
         p = self.attn_dropout if self.training else 0.0
         if first_query_only:
-            w, b = self.qkv.weight, self.qkv.bias
-            q = rearrange(F.linear(x[:, :1], w[:D], b[:D]), "b t (h d) -> b h t d", h=self.heads)
-            k, v = rearrange(F.linear(x, w[D:], b[D:]), "b t (kv h d) -> kv b h t d", kv=2, h=self.heads)
+            # one qkv GEMM over every token, token 0's query sliced from its output: the q of the other
+            # tokens is 1/12 of a block's work, while slicing the weight instead (q from w[:D] on token 0,
+            # k, v from w[D:]) made the weight's gradient two zero-filled [3D, D] buffers summed, and
+            # the block slower than computing every token (bench/model_step.py)
+            qkv = self.qkv(x)
+            q = rearrange(qkv[:, :1, :D], "b t (h d) -> b h t d", h=self.heads)
+            k, v = rearrange(qkv[:, :, D:], "b t (kv h d) -> kv b h t d", kv=2, h=self.heads)
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
             return self.proj_drop(self.proj(rearrange(y, "b h t d -> b t (h d)")))
         # a view + permute (no copy): SDPA takes the strides as they are

@@ -2,22 +2,29 @@
 
     vitp plan --config configs/pretrain/vit_l16.yaml cluster.nodes=4 --sweep zero=1,2,3 ckpt=on,off
 
-Memory per GPU comes from pipeline/plan/memory.py. Time per step is the slower of compute and
-communication, assuming DeepSpeed overlaps them fully (step = max(compute, comm)):
+Memory per GPU comes from pipeline/plan/memory.py. Time per step is the compute plus the part of the
+communication that does not overlap it (:func:`comm_volume`, :func:`link_seconds`):
 - compute: `train_step_flops` (3x forward, 4x with activation checkpointing) of the rank's share of the
-  global batch, at hardware.peak_tflops x hardware.assumed_mfu;
-- communication per rank by ZeRO stage, ring collectives moving (n-1)/n of a buffer each. Gradients
-  travel in REDUCE_DTYPE (fp32: the engine's `communication_data_type`; Gr = P x 4 bytes), parameters in
-  the model dtype (Gw = P x 2 bytes in bf16/fp16). Checked against deepspeed 0.19.8:
-  stage 0 all-reduces the gradients once per step (engine.allreduce_bucket casts to fp32: 2 (n-1)/n Gr);
-  stage 1 reduces them into the owned partitions once per step and all-gathers the updated parameters
-  ((n-1)/n (Gr + Gw)), or with bf16 and fp32 accumulation (DeepSpeed's BF16_Optimizer) all-reduces its
-  fp32 gradient buffer and all-gathers the bf16 parameters (bf16_optimizer.py: 2 (n-1)/n Gr + (n-1)/n Gw);
-  stage 2 reduce-scatters them every micro step (average_tensor casts each bucket) and all-gathers the
-  updated parameters once ((n-1)/n (a Gr + Gw), a micro steps); stage 3 reduce-scatters every micro step
-  (stage3.py casts each bucket) and all-gathers the parameters in forward and in backward of every micro
-  step ((n-1)/n a (Gr + 2 Gw)). The ring runs at hardware.inter_node_gbps when nodes > 1, else
-  hardware.intra_node_gbps (GB/s per GPU).
+  global batch, at hardware.peak_tflops x hardware.assumed_mfu; backward (with its recomputed forward)
+  is 2/3 of it (3/4 with checkpointing);
+- communication: the bytes each rank sends per optimizer step, as deepspeed 0.19.8 sends them with vitp's
+  settings (ring collectives: an all-reduce sends 2 (n-1)/n of its buffer, a reduce-scatter or an
+  all-gather (n-1)/n). Gradients travel in REDUCE_DTYPE (fp32, the engine's `communication_data_type`:
+  Gr = P x 4 bytes), parameters in the model dtype (Gw = P x 2 bytes in bf16/fp16), a = accumulation:
+  stage 0 all-reduces the gradients after backward (engine.allreduce_bucket casts to fp32): 2 Gr, exposed;
+  stage 1 all-reduces them after backward and all-gathers the updated parameters: 2 Gr + Gw, exposed
+  (BF16_Optimizer all-reduces its fp32 buffer; stage_1_and_2's reduce_gradients goes through
+  average_tensor, whose buckets are all-reduced: `use_multi_rank_bucket_allreduce` defaults to true);
+  stage 2 all-reduces every bucket of every micro step during backward (average_tensor again, on the
+  side stream under overlap_comm): 2 a Gr, hidden behind backward as far as it lasts, then the parameter
+  all-gather after the step: Gw, exposed;
+  stage 3 reduce-scatters every micro step (stage3.py's reduce_scatter_coalesced) and all-gathers the
+  parameters in forward and backward (prefetched): a (Gr + 2 Gw), hidden behind the compute as far as it lasts.
+- links: a ring over n ranks moves a rank's bytes over NVLink inside a node (hardware.intra_node_gbps per
+  GPU) and, across nodes, its node's share of them over the node's NIC rails: NCCL runs one ring per
+  rail, each leaves the node once, so a node sends as many bytes as one rank, over
+  hardware.nics_per_node x hardware.inter_node_gbps (GB/s per NIC). A collective takes the slower of
+  the two; :func:`bus_gbps` is that rate as nccl-tests' bus bandwidth, which `vitp preflight` measures.
 Cost is given in GPU-hours and in the paper's unit, TPUv3-core-days, at the same MFU.
 With model.patch_drop the steps up to train.patch_drop_until (all, if unset) compute the kept tokens
 only (`train_step_flops(patch_drop=...)`); the rest of the schedule computes every patch. The report
@@ -26,11 +33,9 @@ shows both step times and what the schedule saves against patch_drop=0.
 
 from __future__ import annotations
 
-import itertools
-
 from pipeline.config.sections import REDUCE_DTYPE
 from pipeline.plan.checkpoint import checkpoint_cost, report_lines
-from pipeline.plan.memory import BYTES, GiB, ModelShape, fp32_accumulation_path, memory_per_rank
+from pipeline.plan.memory import BYTES, GiB, ModelShape, memory_per_rank
 
 TPU_V3_CORE_TFLOPS = 61.5  # 123 TFLOP/s bf16 per TPUv3 chip, 2 cores per chip
 PAPER_TPU_CORE_DAYS = {"vit_l16": 680.0, "vit_h14": 2500.0}  # Dosovitskiy et al. 2020, Table 2, JFT-300M
@@ -111,26 +116,62 @@ def _largest_micro_batch(shape, mem_kw, budget: float, upper: int) -> int:
     return lo
 
 
-def comm_bytes(params: int, precision: str, zero_stage: int, world_size: int, accumulation: int = 1, *,
-               offload_optimizer: bool = False) -> float:
-    """Bytes one rank sends per optimizer step (ring collectives, see the module docstring)."""
+def comm_volume(params: int, precision: str, zero_stage: int, world_size: int, accumulation: int = 1, *,
+                offload_optimizer: bool = False) -> dict:
+    """Bytes one rank sends per optimizer step (see the module docstring), by collective and by whether
+    they overlap compute. -> {"grad_reduce", "param_gather", "overlapped", "exposed", "total",
+    "reduce_op" ("all-reduce" or "reduce-scatter"), "overlaps" ("backward", "compute" or None)}."""
+    del offload_optimizer  # the same collectives: the optimizer step moves to the host, not the bytes
     Gw = params * BYTES[precision]  # parameters, in the model dtype
     Gr = params * BYTES[REDUCE_DTYPE]  # gradients, in the reduction dtype
-    ring = (world_size - 1) / world_size
+    ring, a = (world_size - 1) / world_size, accumulation
     if zero_stage == 0:
-        return 2 * ring * Gr
-    if zero_stage == 1 and fp32_accumulation_path(precision, 1, offload_optimizer=offload_optimizer):
-        return ring * (2 * Gr + Gw)  # BF16_Optimizer: all-reduce fp32 grads, all-gather bf16 params
-    if zero_stage == 1:
-        return ring * (Gr + Gw)
-    if zero_stage == 2:
-        return ring * (Gr * accumulation + Gw)
-    return ring * (Gr + 2 * Gw) * accumulation
+        grads, gather, overlapped, overlaps = 2 * ring * Gr, 0.0, 0.0, None
+    elif zero_stage == 1:
+        grads, gather, overlapped, overlaps = 2 * ring * Gr, ring * Gw, 0.0, None
+    elif zero_stage == 2:
+        grads, gather, overlaps = 2 * ring * Gr * a, ring * Gw, "backward"
+        overlapped = grads
+    else:
+        grads, gather, overlaps = ring * Gr * a, 2 * ring * Gw * a, "compute"
+        overlapped = grads + gather
+    total = grads + gather
+    return {"grad_reduce": grads, "param_gather": gather, "overlapped": overlapped, "exposed": total - overlapped,
+            "total": total, "reduce_op": "reduce-scatter" if zero_stage == 3 else "all-reduce", "overlaps": overlaps}
+
+
+def comm_bytes(params: int, precision: str, zero_stage: int, world_size: int, accumulation: int = 1, *,
+               offload_optimizer: bool = False) -> float:
+    """Bytes one rank sends per optimizer step (:func:`comm_volume`'s total)."""
+    return comm_volume(params, precision, zero_stage, world_size, accumulation,
+                       offload_optimizer=offload_optimizer)["total"]
+
+
+def bus_gbps(hardware, nodes: int) -> float:
+    """GB/s a ring collective moves one rank's bytes at (nccl-tests' bus bandwidth): NVLink on one node;
+    across nodes the slower of NVLink and the node's NIC rails together (one ring per rail)."""
+    if nodes <= 1:
+        return hardware.intra_node_gbps
+    return min(hardware.intra_node_gbps, hardware.nics_per_node * hardware.inter_node_gbps)
+
+
+def bus_assumption(hardware, nodes: int) -> str:
+    """:func:`bus_gbps` and where it comes from, in words (what `vitp preflight` compares NCCL with)."""
+    if nodes <= 1:
+        return f"vitp plan's bus {bus_gbps(hardware, nodes):g} GB/s (hardware.intra_node_gbps, NVLink)"
+    return (f"vitp plan's bus {bus_gbps(hardware, nodes):g} GB/s (the slower of hardware.nics_per_node "
+            f"{hardware.nics_per_node} x inter_node_gbps {hardware.inter_node_gbps:g} and intra_node_gbps "
+            f"{hardware.intra_node_gbps:g})")
+
+
+def link_seconds(nbytes: float, hardware, nodes: int) -> float:
+    """Seconds a rank's ``nbytes`` of ring traffic take at :func:`bus_gbps`."""
+    return nbytes / (bus_gbps(hardware, nodes) * 1e9)
 
 
 def step_time(cfg, shape: ModelShape, patch_drop: float | None = None) -> dict:
-    """Seconds per optimizer step: compute, communication (per collective) and the step under overlap;
-    ``patch_drop``: of a step that drops this fraction of patches (default model.patch_drop)."""
+    """Seconds per optimizer step: compute, communication (what overlaps and what does not) and the
+    step; ``patch_drop``: of a step that drops this fraction of patches (default model.patch_drop)."""
     from pipeline.model.flops import train_step_flops
 
     c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
@@ -140,19 +181,22 @@ def step_time(cfg, shape: ModelShape, patch_drop: float | None = None) -> dict:
     # time counts what the GPU executes (checkpointing runs the forward again); model FLOPs (MFU,
     # total work, TPUv3-core-days) count the model's work once: recomputation is a cost in time
     pd = cfg.model.patch_drop if patch_drop is None else patch_drop
-    flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=cfg.model.grad_checkpointing,
-                                  patch_drop=pd)
+    ckpt = cfg.model.grad_checkpointing
+    flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=ckpt, patch_drop=pd)
     model_flops_rank = train_step_flops(shape.config, batch=per_rank, grad_checkpointing=False, patch_drop=pd)
     compute = flops_rank / (hw.peak_tflops * 1e12 * hw.assumed_mfu)
-    volume = comm_bytes(shape.params, e.precision, e.zero_stage, n, accum, offload_optimizer=e.offload_optimizer)
-    bw = (hw.inter_node_gbps if c.nodes > 1 else hw.intra_node_gbps) * 1e9
-    comm = volume / bw
+    vol = comm_volume(shape.params, e.precision, e.zero_stage, n, accum, offload_optimizer=e.offload_optimizer)
+    window = {"backward": compute * (3 / 4 if ckpt else 2 / 3), "compute": compute, None: 0.0}[vol["overlaps"]]
+    hidden_s = link_seconds(vol["overlapped"], hw, c.nodes)
+    exposed = link_seconds(vol["exposed"], hw, c.nodes) + max(0.0, hidden_s - window)
+    comm = link_seconds(vol["total"], hw, c.nodes)
     return {"flops_per_rank": flops_rank, "flops_per_step": flops_rank * n, "compute_s": compute,
             "model_flops_per_rank": model_flops_rank, "model_flops_per_step": model_flops_rank * n,
             "recompute_flops_per_rank": flops_rank - model_flops_rank,
-            "comm_bytes": volume, "comm_s": comm, "step_s": max(compute, comm),
-            "bound": "compute" if compute >= comm else "communication", "accumulation": accum,
-            "link": "inter-node" if c.nodes > 1 else "intra-node", "link_gbps": bw / 1e9}
+            "comm_bytes": vol["total"], "comm": vol, "comm_s": comm, "exposed_comm_s": exposed,
+            "step_s": compute + exposed, "bound": "compute" if compute >= comm else "communication",
+            "accumulation": accum, "link": "inter-node" if c.nodes > 1 else "intra-node",
+            "link_gbps": bus_gbps(hw, c.nodes)}
 
 
 def patch_drop_phases(cfg, shape: ModelShape, st: dict) -> dict:
@@ -247,45 +291,6 @@ def parse_sweep(items: list[str]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def sweep(config_path, overrides: list[str], axes: list[tuple[str, list[str]]], *, resources=None,
-          **plan_kw) -> list[dict]:
-    """One row per combination: its overrides, and the plan's numbers (or why the combination is invalid)."""
-    from pipeline.config import ConfigError
-
-    rows, shape_cache = [], {}
-    for combo in itertools.product(*[[(k, v) for v in vals] for k, vals in axes]):
-        extra = [f"{k}={v}" for k, v in combo]
-        row = {"set": dict(combo)}
-        try:
-            cfg = load_planned(config_path, overrides + extra, resources)
-            if combo and any(k == "engine.offload_optimizer" and v == "true" for k, v in combo) \
-                    and cfg.engine.zero_stage == 0:
-                raise PlanError("offload needs zero >= 1")
-            key = (cfg.model.name, cfg.model.img_size)
-            if key not in shape_cache:
-                shape_cache[key] = model_shape(cfg, plan_kw.get("num_classes"))
-            p = plan(cfg, shape=shape_cache[key][0], **plan_kw)
-            row.update(gib=p["memory"]["total"] / GiB, fits=p["verdict"]["fits"],
-                       max_mb=p["verdict"]["max_micro_batch"], step_s=p["time"]["step_s"],
-                       bound=p["time"]["bound"], img_s=p["throughput"]["images_per_s"],
-                       gpu_hours=p["cost"]["gpu_hours"])
-        except (ConfigError, PlanError) as err:
-            row["invalid"] = str(err)
-        rows.append(row)
-    return rows
-
-
-def load_planned(config_path, overrides: list[str], resources=None):
-    """Load a config [+ a resources file] and validate it for the planned world size (cluster.nodes x
-    tasks_per_node)."""
-    from pipeline.config import load_config, validate
-
-    # every other check, before the world size
-    cfg = load_config(config_path, overrides, world_size=1, resources=resources)
-    validate(cfg, world_size=cfg.world_size_planned)
-    return cfg
-
-
 # --------------------------------------------------------------------------------------------------
 # Text
 # --------------------------------------------------------------------------------------------------
@@ -330,12 +335,13 @@ def format_report(p: dict) -> str:
           f"   largest micro batch that fits: {'>= ' if v['max_micro_batch_capped'] else ''}{v['max_micro_batch']}"
           f" (largest dividing the per-rank batch {s['global_batch'] // s['world_size']}: "
           f"{v['max_valid_micro_batch']})",
-          "", "== step time and throughput (assumes communication overlaps compute: step = max of the two)",
+          "", "== step time and throughput (step = compute + the communication that does not overlap it)",
           f"   compute {t['flops_per_rank'] / 1e12:.1f} TFLOP per rank per step"
           + (f" ({t['recompute_flops_per_rank'] / 1e12:.1f} of them recomputed forwards)"
              if t["recompute_flops_per_rank"] else "") + f" -> {_dur(t['compute_s'])}",
-          f"   communication {t['comm_bytes'] / 1e9:.2f} GB per rank per step over {t['link']} "
-          f"{t['link_gbps']:.0f} GB/s -> {_dur(t['comm_s'])}",
+          f"   communication {t['comm_bytes'] / 1e9:.2f} GB per rank per step ({_comm_parts(t['comm'])}) at "
+          f"{t['link_gbps']:.0f} GB/s {t['link']} bus bandwidth -> {_dur(t['comm_s'])}, "
+          f"{_dur(t['exposed_comm_s'])} of it not hidden behind compute",
           f"   step {_dur(t['step_s'])} ({t['bound']}-bound); {th['images_per_s_per_gpu']:.0f} images/s per GPU, "
           f"{th['images_per_s']:.0f} images/s for the job",
           *_patch_drop_lines(p["patch_drop"]),
@@ -352,6 +358,15 @@ def format_report(p: dict) -> str:
     else:
         L.append("   (the paper reports TPUv3-core-days for ViT-L/16 and ViT-H/14 at 224 px only)")
     return "\n".join(L)
+
+
+def _comm_parts(v: dict) -> str:
+    """ "2.58 gradient all-reduce + 0.65 parameter all-gather" (GB), and what overlaps."""
+    parts = [f"{v['grad_reduce'] / 1e9:.2f} gradient {v['reduce_op']}"]
+    if v["param_gather"]:
+        parts.append(f"{v['param_gather'] / 1e9:.2f} parameter all-gather")
+    hidden = {"backward": "; the gradients' during backward", "compute": "; all of it during compute", None: ""}
+    return " + ".join(parts) + hidden[v["overlaps"]]
 
 
 def _patch_drop_lines(pd: dict) -> list[str]:

@@ -2,27 +2,28 @@
 
 For ZeRO-1, -2 and -3, with and without activation checkpointing, at the recipe's micro batch and
 accumulation on the cluster's GPUs: memory per GPU (pipeline/plan/memory.py, as vitp's engine
-configures DeepSpeed: bf16, fp32 gradient accumulation) and bytes each rank sends per optimizer step
-(pipeline/plan/cost.py). The rule:
+configures DeepSpeed: bf16, fp32 gradient accumulation) and the step time with the bytes each rank
+sends per optimizer step (pipeline/plan/cost.py). The rule:
 
-1. activation checkpointing only if no stage fits without it (it recomputes every forward: 4/3 of
-   the compute);
-2. among the stages that fit, the shortest step (max of compute and communication, as the plan
-   counts it), then the fewest bytes moved, then the lower stage (fewer collectives per step).
+1. the first tier in which something fits: ZeRO-1/2 without activation checkpointing, ZeRO-3 without,
+   ZeRO-1/2 with, ZeRO-3 with. Checkpointing recomputes every forward (4/3 of the compute); ZeRO-3 is
+   for models whose states do not fit otherwise: vitp compiles no blocks and keeps no EMA under it, and
+   its per-layer gathers are latency the byte count does not see;
+2. within the tier, the shortest step (compute + the communication it does not hide), then the fewest
+   bytes moved, then the lower stage (fewer collectives per step).
 
-What it weighs, per optimizer step (n ranks, G = one bf16 copy of the gradients, accumulation a):
-ZeRO-1 with fp32 accumulation is DeepSpeed's BF16_Optimizer: one all-reduce after backward plus one
-parameter all-gather, 3 G (n-1)/n, whatever a is, and a whole fp32 gradient buffer per GPU. ZeRO-2
-reduce-scatters every micro step while backward runs and all-gathers once, (a + 1) G (n-1)/n, with
-one host sync per micro step. ZeRO-3 gathers parameters in forward and backward of every micro
-step, 3 a G (n-1)/n. So ZeRO-2 moves fewer bytes at accumulation 1, ZeRO-1 from accumulation 3 on,
-and ZeRO-3 is for models whose states do not fit otherwise. Stage 0 is not offered: ZeRO-1 keeps the
-same collectives' shape and shards the optimizer.
+What it weighs, per optimizer step (n ranks, G = one bf16 copy of the gradients, accumulation a), as
+deepspeed 0.19.8 sends it: ZeRO-1 (BF16_Optimizer under bf16) all-reduces its fp32 gradients after
+backward and all-gathers the parameters, 5 G (n-1)/n, whatever a is, none of it hidden, and keeps a
+whole fp32 gradient buffer per GPU. ZeRO-2 all-reduces (not reduce-scatters: each bucket goes to
+every rank) its fp32 buckets during every micro step's backward, 4 a G (n-1)/n, hidden behind it as
+far as the link allows, then gathers the parameters, G (n-1)/n. ZeRO-3 reduce-scatters and gathers the
+parameters twice per micro step, 4 a G (n-1)/n, overlapping compute.
 """
 
 from __future__ import annotations
 
-from pipeline.plan.cost import step_time
+from pipeline.plan.cost import PlanError, model_shape, step_time
 from pipeline.plan.memory import GiB, ModelShape, memory_per_rank
 
 STAGES = (1, 2, 3)
@@ -61,7 +62,9 @@ def recommend(cfg, shape: ModelShape, *, backend: str = "cuda", headroom: float 
     rows = options(cfg, shape, backend=backend, headroom=headroom)
     n = cfg.world_size_planned
     plain = [r for r in rows if not r["checkpointing"] and r["fits"]]
-    pool = plain or [r for r in rows if r["checkpointing"] and r["fits"]]
+    tiers = [[r for r in rows if r["fits"] and r["checkpointing"] == ckpt and (r["stage"] == 3) == z3]
+             for ckpt in (False, True) for z3 in (False, True)]
+    pool = next((tier for tier in tiers if tier), [])
     where = f"{n} GPUs of {cfg.hardware.device_mem_gb:g} GB, micro batch {cfg.train.micro_batch} x accumulation " \
             f"{rows[0]['accumulation']}"
     if not pool:
@@ -73,6 +76,9 @@ def recommend(cfg, shape: ModelShape, *, backend: str = "cuda", headroom: float 
     mem = ", ".join(f"ZeRO-{r['stage']} {r['gib']:.1f}" for r in rows if r["checkpointing"] == best["checkpointing"])
     fit = ("every stage fits without it" if len(plain) == len(STAGES) else "it fits without it"
            if not best["checkpointing"] else "no stage fits without it")
+    if best["stage"] != 3 and any(r["stage"] == 3 and r["checkpointing"] == best["checkpointing"] for r in pool + rows
+                                  if r["fits"]):
+        fit += "; ZeRO-3 only where ZeRO-1/2 do not fit"
     vs = lambda key, fmt: ", ".join(f"ZeRO-{r['stage']} {fmt(r[key])}" for r in rivals)
     tie = [r for r in rivals if r["step_s"] == best["step_s"]]
     reason = (f"ZeRO-{best['stage']} {'with' if best['checkpointing'] else 'without'} activation checkpointing: "
@@ -94,3 +100,18 @@ def format_recommendation(rec: dict) -> str:
                  f"{r['bound']}{mark}")
     L.append(f"   recommended: {rec['reason']}")
     return "\n".join(L)
+
+
+def resolve_zero_stage(cfg, *, backend: str = "cuda"):
+    """``engine.zero_stage: auto`` made the recommended stage: -> (the config with it, one line saying so),
+    or (``cfg``, None) when the stage is given. Raises PlanError when no stage fits."""
+    if cfg.engine.zero_stage != "auto":
+        return cfg, None
+    rec = recommend(cfg, model_shape(cfg)[0], backend=backend)
+    if rec["stage"] is None:
+        raise PlanError(f"engine.zero_stage: auto: {rec['reason']}")
+    engine = cfg.engine.model_copy(update={"zero_stage": rec["stage"]})
+    note = (f"engine.zero_stage: auto -> {rec['stage']} (vitp plan: {rec['reason']})"
+            + ("" if rec["checkpointing"] == cfg.model.grad_checkpointing else
+               f"; it would also set model.grad_checkpointing={str(rec['checkpointing']).lower()}"))
+    return cfg.model_copy(update={"engine": engine}), note

@@ -473,7 +473,7 @@ class CheckpointManager:
             scope = self.scopes[name]
             if scope == "rank_local" and universal is not None:
                 continue
-            saved = shared if scope == "shared" else own["states"]
+            saved = shared if scope == "shared" and name in shared else own["states"]  # EMA was per rank before
             if name not in saved:
                 raise RuntimeError(f"{ckpt}: holds no saved state {name!r} (saved: {sorted(saved) or 'none'}); "
                                    "it was written with another configuration or vitp version")

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from pipeline.config.sections import REDUCE_DTYPE
 from pipeline.distributed import bound_collectives, comm_device
-from pipeline.train import compiled
+from pipeline.train import compiled, device_norm
 
 
 @functools.cache
@@ -56,7 +56,23 @@ def _deepspeed():
     # On CUDA the lookup finds no such op and returns None, as this does.
     sys.modules["deepspeed.comm.torch"].build_shm_op = _no_shm_op
     _import_muon()
+    _norm_and_clip_on_device()
     return deepspeed
+
+
+def _norm_and_clip_on_device() -> None:
+    """DeepSpeed's gradient norm and clip without host reads (pipeline/train/device_norm.py says which
+    and why); the functions are replaced where ZeRO-1/2/3 and BF16_Optimizer look them up."""
+    utils = importlib.import_module("deepspeed.runtime.utils")
+    zero12 = importlib.import_module("deepspeed.runtime.zero.stage_1_and_2")
+    zero3 = importlib.import_module("deepspeed.runtime.zero.stage3")
+    bf16 = importlib.import_module("deepspeed.runtime.bf16_optimizer")
+    for module in (utils, zero12, zero3):
+        module.mask_nan_or_inf_with_val_inplace = device_norm.mask_nonfinite
+    bf16.clip_tensors_by_global_norm = functools.partial(device_norm.clip_by_global_norm,
+                                                         norm_of=utils.get_global_norm_of_tensors)
+    opt = zero12.DeepSpeedZeroOptimizer
+    opt.unscale_and_clip_grads = device_norm.clip_on_device(opt.unscale_and_clip_grads, zero12)
 
 
 def _no_shm_op():
@@ -170,8 +186,8 @@ def _quiet_step() -> dict:
       it). No ``comms_logger`` section at all: its mere presence turns the logger on, whatever its
       ``enabled`` says (comm/config.py), and it synchronises after every collective (comm/comm.py).
     - ``steps_per_print``: DeepSpeed's progress line (lr and skipped steps) never comes.
-    The syncs left in a plain step are DeepSpeed's gradient clipping and ZeRO's reduction; the README's
-    GPU section lists them with their source lines.
+    The norm and the clip wait no more either (:func:`_norm_and_clip_on_device`); what is left (ZeRO's
+    reduction, BF16_Optimizer's skip) the README's GPU section lists with its source lines.
     """
     return {"timers": {"throughput": {"enabled": False, "synchronized": False}}, "wall_clock_breakdown": False,
             "memory_breakdown": False, "flops_profiler": {"enabled": False},

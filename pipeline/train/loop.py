@@ -22,8 +22,10 @@ What differs between stages comes in through the builder (the model, its paramet
 GPU habits: the loop itself reads nothing from the device except at ``train.log_every`` (and at steps
 where other periodic work is due, which sync anyway): the stop/non-finite flags are all-reduced on the
 device every step and read one step later, when that all-reduce has long finished; batches are copied
-from pinned memory without blocking. DeepSpeed's gradient clipping still syncs (the README's GPU
-section lists each sync a plain step makes). Rank-0-only work happens after the last collective of the run.
+from pinned memory without blocking; DeepSpeed's norm and clip run on the device (the README's GPU section
+lists each sync a plain step still makes). Python's collector walks generation 2 only at log steps, the
+same step on every rank (pipeline/train/collector.py). Rank-0-only work happens after the last
+collective of the run.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pipeline.tracking import Sinks
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
 from pipeline.train.build import Run
+from pipeline.train.collector import Collector
 from pipeline.train.loss import top1_hits
 
 
@@ -243,31 +246,33 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
     if step:  # a resumed run whose evaluators a stop or a kill cut short
         run_due(after_save, step)
     settle = lambda: check(lag=False, settle=True)  # noqa: E731 - before a save: this step's update was finite
-    while step < run.steps:
-        faults.hit("step", step + 1)
-        eng_lib.set_lr(engine, run.schedule(step))
-        # these steps wait for the device anyway
-        sync = checkpoints.due(step + 1) or any(task.due(step + 1) for task in run.periodic)
+    with Collector() as collector:  # pipeline/train/collector.py: gc.freeze(), generation 2 at log steps
+        while step < run.steps:
+            faults.hit("step", step + 1)
+            eng_lib.set_lr(engine, run.schedule(step))
+            # these steps wait for the device anyway
+            sync = checkpoints.due(step + 1) or any(task.due(step + 1) for task in run.periodic)
 
-        step_sums, images = forward_backward(batches, step)
-        agree.post(step + 1, stops.stop_reason(), step_sums[0], norm_bad, checkpoints.failed)
-        stop = max(stop, check(lag=not sync))  # a non-finite loss stops before this optimizer step
-        engine.step()  # the boundary: clip, optimizer update
-        norm_bad = eng_lib.nonfinite_grad_norm(engine, device)  # read with the next step's flags
-        if run.ema is not None:
-            run.ema.update(engine.module)
-        step += 1
-        hang.beat()
-        run.window.add(step_sums)
+            step_sums, images = forward_backward(batches, step)
+            agree.post(step + 1, stops.stop_reason(), step_sums[0], norm_bad, checkpoints.failed)
+            stop = max(stop, check(lag=not sync))  # a non-finite loss stops before this optimizer step
+            engine.step()  # the boundary: clip, optimizer update
+            norm_bad = eng_lib.nonfinite_grad_norm(engine, device)  # read with the next step's flags
+            if run.ema is not None:
+                run.ema.update(engine.module)
+            step += 1
+            hang.beat()
+            run.window.add(step_sums)
 
-        with hang.busy():  # periodic work and checkpoints may take long: their collectives have timeouts
-            ran = run_due(before_save, step)  # the checkpoint covers every record up to its step
-            if stop:
-                return stopped(stop)
-            saved = checkpoints.maybe_save(step, before=settle)
-            ran = run_due(after_save, step) or ran or saved is not None
-        if ran:  # periodic work is not training time
-            train_log.restart()
+            with hang.busy():  # periodic work and checkpoints may take long: their collectives have timeouts
+                ran = run_due(before_save, step)  # the checkpoint covers every record up to its step
+                if stop:
+                    return stopped(stop)
+                saved = checkpoints.maybe_save(step, before=settle)
+                ran = run_due(after_save, step) or ran or saved is not None
+            collector.at(train_log.due(step))  # generation 2, at log steps only
+            if ran:  # periodic work (and that collection) is not training time
+                train_log.restart()
 
     # the end: final checkpoint (unless this step's is saved), consolidated fp32 weights, artifacts
     hang.stop()

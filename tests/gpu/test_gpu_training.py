@@ -4,7 +4,11 @@ written by `vitp prep`. Skipped (with the reason) wherever CUDA is not usable, w
 - pretrain, killed mid-run (SIGKILL before step 5) and resumed: the resumed run logs every step once,
   with the uninterrupted run's losses within bf16 tolerance; then `vitp eval` scores the run.
 - `vitp submit pretrain --cluster local` from a process whose environment says DS_ACCELERATOR=cpu
-  (what a GPU-less login node used to export): the job decides on its node and trains on the GPU.
+  (what a GPU-less login node used to export): the job decides on its node and trains on the GPU, with
+  compiled blocks (the GPU default).
+
+Every other run here is uncompiled (``train.compile=false``): a cold compile of the tiny model costs
+more than its six steps, and the compiled path is the submit test's and the GPU check's pretrain part's.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_PROBLEM is not None, reason=f
 CLASSES, PER_CLASS = 3, 32
 # 6 steps of 2 micro batches; constant lr after warm-up; a checkpoint every 2 steps
 GPU = ["engine.precision=bf16", "engine.zero_stage=2", "engine.backend=nccl", "cluster.tasks_per_node=1",
-       "tracking.enabled=false", "data.workers=1", "train.global_batch=32", "train.micro_batch=16"]
+       "tracking.enabled=false", "data.workers=1", "train.global_batch=32", "train.micro_batch=16",
+       "train.compile=false"]
 RUN = [*GPU, "train.steps=6", "train.log_every=1", "checkpoint.every=2", "schedule.warmup_steps=2",
        "schedule.decay=constant"]
 BF16_REL = 1e-2  # ~2.5 bf16 ulps: GPU kernels (attention backward) are not bitwise deterministic run to run
@@ -128,6 +133,7 @@ def test_submit_local_trains_on_the_gpu_despite_the_submitters_ds_accelerator(sh
     r = _vitp("submit", "pretrain", "--config", TINY, "--cluster", "local", "--wait", f"run.dir={run}",
               f"data.path={shards}", f"cluster.log_dir={jobs}", *GPU, "engine.backend=auto", "cluster.nodes=1",
               "cluster.gpus_per_node=1", "train.steps=4", "train.log_every=2", "checkpoint.every=0",
+              "train.compile=true",
               env=_env(DS_ACCELERATOR="cpu"), timeout=900)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert r.stdout.startswith("job ")

@@ -1,6 +1,7 @@
-"""`make gpu-check GPU_CHECK_SMOKE=1`: every part of the GPU machine's check, on this CPU at tiny sizes,
-over the wheels `make gpu-wheels` writes (downloaded from the package registry, DeepSpeed built here;
-a rerun keeps them), with every process seeing only the image's packages and those wheels.
+"""`python3 bench/gpu_check.py --smoke` (`make gpu-check GPU_CHECK_SMOKE=1`): every part of the GPU
+machine's check, on this CPU at tiny sizes, over the wheels `bench/gpu_wheels.py` writes (downloaded from
+the package registry, DeepSpeed built here; a rerun keeps them), with every process seeing only the
+image's packages and those wheels; run as the GPU machine runs it, one python command, no make.
 """
 
 from __future__ import annotations
@@ -19,15 +20,12 @@ WHEELS = ROOT / ".gpu-wheels"
 OUT_FILES = {"summary.json", "check.log", "tests_gpu.xml", "syncs.txt", "syncs_trace.json.gz", "pretrain_metrics.jsonl"}
 
 
-def make(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "-s", f"PY={sys.executable}", f"GPU_CHECK_PY={sys.executable}", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def wheels() -> Path:
-    r = make("gpu-wheels", f"GPU_WHEELS={WHEELS}", timeout=900)
+    r = subprocess.run([sys.executable, "bench/gpu_wheels.py", "--out", str(WHEELS)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "with the tracked source" in r.stderr and "of 64" in r.stderr  # the 64 MiB a GPU machine receives
     return WHEELS
 
 
@@ -39,12 +37,13 @@ def ratios(stdout: str) -> dict[str, float]:
 
 def test_smoke_runs_every_part_on_the_cpu(wheels, tmp_path):
     out = tmp_path / "out"
-    r = make("gpu-check", "GPU_CHECK_SMOKE=1", f"GPU_WHEELS={wheels}", f"GPU_CHECK_OUT={out}",
-             f"GPU_CHECK_WORK={tmp_path / 'work'}", timeout=1200)
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--wheels", str(wheels), "--out", str(out),
+                        "--work", str(tmp_path / "work")], cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert {k: p["status"] for k, p in summary["parts"].items()} == dict.fromkeys(
-        ["install", "tests_gpu", "syncs", "pretrain", "gpu_step"], "ok")
+        ["install", "syncs", "tests_gpu", "pretrain", "gpu_step"], "ok")
+    assert list(summary["parts"]) == ["install", "syncs", "tests_gpu", "pretrain", "gpu_step"]  # syncs first
     assert "every requirement met" in summary["parts"]["install"]["note"]
 
     got = ratios(r.stdout)
@@ -53,6 +52,7 @@ def test_smoke_runs_every_part_on_the_cpu(wheels, tmp_path):
     assert (got["gpu_tests_passed"], got["gpu_tests_failed"], got["gpu_tests_skipped"]) == (0, 0, n_gpu_tests)
     # no CUDA: no CUDA sync or copy in the trace, but the loop's own scalar reads are seen and placed
     assert got["plain_step_syncs_gpu"] == got["plain_step_event_syncs_gpu"] == got["plain_step_dtoh_copies_gpu"] == 0
+    assert got["plain_step_pageable_htod_gpu"] == 0
     assert got["plain_step_scalar_reads_gpu"] >= 1
     assert "pipeline/" in (out / "syncs.txt").read_text() or "deepspeed/" in (out / "syncs.txt").read_text()
     # against an H100's peak a CPU's MFU is ~1e-7: measured (the records), though the 4-decimal line shows 0
@@ -87,3 +87,41 @@ def test_the_image_guard_refuses_what_the_image_lacks():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "No module named 'mlflow' (not in the GPU image" in r.stdout
+
+
+@pytest.fixture
+def unremovable(tmp_path):
+    """A result folder that cannot itself be removed, as a GPU machine's mounted one: a tmpfs mount point
+    where this process may mount (root), else a folder in a read-only parent."""
+    parent = tmp_path / "parent"
+    out = parent / "out"
+    out.mkdir(parents=True)
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "vitp-check", str(out)], check=True)
+        try:
+            yield out
+        finally:
+            subprocess.run(["umount", str(out)], check=True)
+    else:
+        parent.chmod(0o555)
+        try:
+            yield out
+        finally:
+            parent.chmod(0o755)
+
+
+def test_the_output_folder_is_emptied_not_removed(unremovable, tmp_path):
+    """The check clears its output folder's contents (a stale file, a stale folder) and writes its files
+    there; removing the folder itself would fail on a mount point."""
+    out = unremovable
+    (out / "stale.txt").write_text("from the last run")
+    (out / "old").mkdir()
+    (out / "old" / "trace.json").write_text("{}")
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    r = subprocess.run([sys.executable, "bench/gpu_check.py", "--smoke", "--wheels", str(empty), "--out", str(out),
+                        "--work", str(tmp_path / "work"), "--parts", "install"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]  # no wheels: the install part fails, reported
+    assert sorted(p.name for p in out.iterdir()) == ["check.log", "summary.json"], r.stderr[-2000:]
+    assert json.loads((out / "summary.json").read_text())["parts"]["install"]["status"] == "failed"

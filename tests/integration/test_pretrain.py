@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from launch.local import run_local
+from pipeline.train.checkpoint import complete_checkpoints
 from tests.data_prep_fixtures import jpeg_bytes, natural_image
 
 pytestmark = pytest.mark.distributed
@@ -445,6 +446,10 @@ def test_ema_resumes_exactly_and_is_the_exported_model(reference, tmp_path):
     assert pretrain(killed, *ema) == 0
     assert losses(killed) == losses(whole) == losses(reference(2))  # EMA does not touch training
     assert_same_weights(killed, whole)
+    ckpt = complete_checkpoints(killed)[-1]  # saved once for both ranks (scope "shared"), not once per rank
+    per_rank = [torch.load(ckpt / f"vitp_rank{r}.pt", weights_only=True)["states"] for r in (0, 1)]
+    assert all("ema" not in s for s in per_rank)
+    assert "ema" in torch.load(ckpt / "vitp_shared.pt", weights_only=True)["states"]
     raw, avg = weights(reference(2)), weights(whole)
     assert any(not torch.equal(raw[k], avg[k]) for k in raw)
     assert all(torch.isfinite(v).all() for v in avg.values())

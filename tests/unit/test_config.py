@@ -56,7 +56,7 @@ def test_wrong_type():
 
 
 def test_out_of_range():
-    assert error_of(["engine.zero_stage=4"]) == "engine.zero_stage: must be <= 3; got 4"
+    assert error_of(["engine.zero_stage=4"]) == "engine.zero_stage: expected 0, 1, 2, 3 or auto, got 4"
     assert error_of(["optim.lr=0"]) == "optim.lr: must be > 0; got 0.0"
     assert error_of(["model.dropout=1.5"]) == "model.dropout: must be <= 1.0; got 1.5"
 

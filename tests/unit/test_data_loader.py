@@ -383,3 +383,23 @@ def test_train_transform_without_random_crop_resizes_the_whole_image():
     tf = TrainTransform(32, hflip=False, random_crop=False)
     assert all(torch.equal(tf(data, seed), whole) for seed in range(5))
     assert not torch.equal(TrainTransform(32, hflip=False)(data, 0), whole)  # the inception crop does crop
+
+
+@pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true but no accelerator")
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pin_memory_pins_the_labels_with_the_images(data, workers, monkeypatch):
+    """The labels cross from the workers as numpy: with pin_memory they are pinned here, as the images
+    are, so neither reaches the GPU from pageable memory. (Pinning needs an accelerator: this machine's
+    pin_memory is recorded instead; tests/gpu pins for real.)"""
+    cfg, _ = data
+    pinned: set[int] = set()
+
+    def pin(self):
+        out = self.clone()
+        pinned.add(out.data_ptr())
+        return out
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self, *a: self.data_ptr() in pinned)
+    ld = loader(replace(cfg, workers=workers), pin_memory=True)
+    for x, y, _ in itertools.islice(iter(ld), 3):
+        assert x.data_ptr() in pinned and y.data_ptr() in pinned and y.dtype == torch.int64

@@ -110,3 +110,43 @@ def test_ema_applied_puts_the_average_in_and_the_training_weights_back_bit_exact
     with pytest.raises(RuntimeError), ema.applied(net):  # put back also when the evaluation fails
         raise RuntimeError("evaluator died")
     assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+
+
+def test_ema_loaded_from_the_cpu_stays_on_its_parameters_device():
+    """A checkpoint is read with map_location="cpu"; the averages must stay where the parameters are
+    (a CUDA run would otherwise mix devices in the next update). The meta device stands for CUDA."""
+    net = torch.nn.Linear(3, 2, device="meta").to(torch.bfloat16)
+    ema = Ema(net, 0.9)
+    assert {v.device.type for v in ema.values} == {"meta"}
+    ema.load_state_dict({"weight": torch.ones(2, 3), "bias": torch.zeros(2)})
+    assert {v.device.type for v in ema.values} == {"meta"} and {v.dtype for v in ema.values} == {torch.float32}
+    ema.update(net)  # same device on both sides
+    with pytest.raises(ValueError, match=r"checkpoint EMA 'weight' has shape \(3, 3\), the model \(2, 3\)"):
+        ema.load_state_dict({"weight": torch.ones(3, 3), "bias": torch.zeros(2)})
+
+
+def test_ema_is_saved_once_for_all_ranks():
+    assert Ema(torch.nn.Linear(2, 2), 0.9).checkpoint_scope == "shared"
+
+
+def test_ema_update_of_bf16_weights_allocates_nothing_and_equals_the_widened_lerp():
+    """bf16 parameters (DeepSpeed's module) widen through the scratch, several groups when it is small;
+    the result is what lerp against each parameter's fp32 copy gives, bit for bit, with no allocation."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    net[1].float()
+    net[0].to(torch.bfloat16), net[2].to(torch.bfloat16)  # mixed, as a model with fp32 norms would be
+    ema = Ema(net, 0.75, scratch_bytes=4 * 130)  # 128 + 16 floats > 130: two groups
+    assert ema.groups == [[0], [1, 4, 5]] and ema.wide == [2, 3]
+    want = [v.clone() for v in ema.values]
+    for _ in range(3):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p.float()).to(p.dtype))
+        torch._foreach_lerp_(want, [p.detach().float() for p in net.parameters()], 0.25)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            ema.update(net)
+        assert [e.name for e in prof.events() if e.cpu_memory_usage > 0] == []
+    assert all(torch.equal(v, w) for v, w in zip(ema.values, want))

@@ -250,7 +250,8 @@ def _shape(cfg):
 
 
 def test_plan_sweep_over_patch_drop():
-    from pipeline.plan.cost import format_sweep, parse_sweep, sweep
+    from pipeline.plan.cost import format_sweep, parse_sweep
+    from pipeline.plan.planned import sweep
 
     rows = sweep("configs/pretrain/vit_l16.yaml", ["cluster.nodes=1"], parse_sweep(["patch_drop=0,0.5,1.0"]))
     assert [r["set"]["model.patch_drop"] for r in rows] == ["0", "0.5", "1.0"]

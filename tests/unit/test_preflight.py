@@ -131,9 +131,11 @@ def test_bus_bandwidth_is_nccl_tests_formula():
 
 
 def test_fabric_and_checkpoint_size():
-    hw = SimpleNamespace(inter_node_gbps=50.0, intra_node_gbps=450.0)
-    assert fabric_gbps(hw, 4) == (50.0, "hardware.inter_node_gbps")
-    assert fabric_gbps(hw, 1) == (450.0, "hardware.intra_node_gbps")
+    hw = SimpleNamespace(inter_node_gbps=50.0, intra_node_gbps=450.0, nics_per_node=8)
+    assert fabric_gbps(hw, 4) == (400.0, "vitp plan's bus 400 GB/s (the slower of hardware.nics_per_node 8 x "
+                                         "inter_node_gbps 50 and intra_node_gbps 450)")
+    assert fabric_gbps(hw, 1) == (450.0, "vitp plan's bus 450 GB/s (hardware.intra_node_gbps, NVLink)")
+    assert fabric_gbps(SimpleNamespace(inter_node_gbps=50.0, intra_node_gbps=300.0, nics_per_node=8), 2)[0] == 300
     assert checkpoint_bytes(1_000, "bf16") == 14_000 and checkpoint_bytes(1_000, "fp32") == 12_000
 
 
@@ -188,9 +190,11 @@ def test_judge_compares_with_the_plan_and_the_fabric():
     assert by[("driver", "node1")].status == OK and by[("shards read", "node2")].status == OK
     assert by[("shards read", "node2")].need.startswith(">= 50.0 MB/s: 500 img/s per node (vitp plan) x 100.0 kB")
     assert by[("run.dir write", "node1")].status == OK and "in 7.0 s" in by[("run.dir write", "node1")].need
-    nccl = by[("nccl", "all")]  # 64 MiB in 4 ms over 2 ranks: 16.8 GB/s bus < 0.5 x 50
-    assert nccl.status == FAIL and "bus 16.8 GB/s" in nccl.value and "hardware.inter_node_gbps 50" in nccl.need
-    slow = judge(cfg, reps, coll, want_gpus=True, want_nccl=True, min_fabric=0.3,
+    nccl = by[("nccl", "all")]  # 64 MiB in 4 ms over 2 ranks: 16.8 GB/s bus < 0.5 x (8 NICs x 50 GB/s)
+    assert nccl.status == FAIL and "bus 16.8 GB/s" in nccl.value
+    assert nccl.need == (">= 0.5 x vitp plan's bus 400 GB/s (the slower of hardware.nics_per_node 8 x "
+                         "inter_node_gbps 50 and intra_node_gbps 450)")
+    slow = judge(cfg, reps, coll, want_gpus=True, want_nccl=True, min_fabric=0.04,
                  plan={"images_per_s": 2000.0, "params": 200_000_000})
     by = {(r.check, r.where): r for r in slow}
     assert by[("nccl", "all")].status == OK

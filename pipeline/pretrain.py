@@ -31,6 +31,8 @@ def pretrain(cfg: Config) -> Result:
 def stage_chosen(cfg: Config) -> Config:
     """A config that reached the stage with ``engine.zero_stage: auto`` (not through `vitp submit`,
     which resolves it): the stage `vitp plan` recommends for its cluster section, said once."""
+    if cfg.engine.zero_stage != "auto":  # a stage given: nothing to plan
+        return cfg
     from pipeline.distributed import rank0_print
     from pipeline.plan.recommend import resolve_zero_stage
 

@@ -15,6 +15,7 @@ then come from MLflow's own variables (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -106,3 +107,52 @@ def restore(value):
         if real and redact(real) == value:
             return real
     return strip(value)
+
+
+def _secret_parts(url: str) -> list[str]:
+    """The secret substrings of a URI: its userinfo (whole, and each side of ``:``) and the values of
+    its token-like query parameters."""
+    scheme, _, rest = url.partition("://")
+    cut = min([i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0], default=len(rest))
+    authority, query = rest[:cut], rest[cut:].partition("?")[2].partition("#")[0]
+    parts = []
+    if "@" in authority:
+        info = authority.rpartition("@")[0]
+        parts += [info, *info.split(":", 1)]
+    for item in query.split("&") if query else []:
+        name, eq, value = item.partition("=")
+        if eq and value and _secret_param(name):
+            parts.append(value)
+    return sorted({p for p in parts if len(p) >= 4}, key=len, reverse=True)  # longest first
+
+
+def mask_known(text: str) -> str:
+    """``text`` with every URI redacted and every secret this process knows (``VITP_SECRETS``,
+    ``$MLFLOW_TRACKING_URI``) masked wherever it stands, also outside a whole URI (a request's path
+    and query in a library's log line)."""
+    for real in [*_known(), os.environ.get("MLFLOW_TRACKING_URI") or ""]:
+        for part in _secret_parts(real) if real else []:
+            text = text.replace(part, MASK)
+    return redact(text)
+
+
+class _Masking(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        masked = mask_known(msg)
+        if masked != msg:
+            record.msg, record.args = masked, None
+        return True
+
+
+# urllib3 logs a retried request's path and query (`Retrying (...) after connection broken by ...:
+# /gw/api/2.0/...?token=...`): a token in the tracking URI's query would reach the job's log
+LIBRARY_LOGGERS = ("urllib3.connectionpool", "urllib3.connection", "urllib3.util.retry")
+
+
+def mask_library_logs() -> None:
+    """Mask known secrets in the records of the libraries that log request URLs (idempotent)."""
+    for name in LIBRARY_LOGGERS:
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _Masking) for f in log.filters):
+            log.addFilter(_Masking())

@@ -64,8 +64,8 @@ def is_image_folder(path: str) -> bool:
         fs, root = store.filesystem(path)
         return any(e.get("type") == "directory" and named(e["name"].rstrip("/").rsplit("/", 1)[-1])
                    for e in fs.ls(root, detail=True))
-    except OSError:
-        return False  # the shard reader's error names what is missing
+    except Exception:  # OSError, or an HTTP store's own (aiohttp's 403 on a listing): not ours to word
+        return False  # the shard reader's error names what is missing (the bucket, the 403, the 404)
 
 
 def read_info(path: str) -> Info:

@@ -77,8 +77,9 @@ def vit_forward_flops(model_or_config: torch.nn.Module | Mapping[str, Any] | str
     per_block = 2 * t * (3 * d * d + d * d + 2 * d * mlp) + 4 * t * t * d
     if features or cfg.get("pool", "token") != "token":
         return (flops + depth * per_block) * batch
-    # last block, token 0 only: keys/values of all t tokens, one query, its projection and MLP
-    last = 2 * t * 2 * d * d + 2 * (d * d + d * d + 2 * d * mlp) + 4 * t * d
+    # last block, token 0 only: the qkv projection of all t tokens (one GEMM; token 0's query is sliced
+    # from it, pipeline/model/vit.py), one query's attention, its projection and MLP
+    last = 2 * t * 3 * d * d + 2 * (d * d + 2 * d * mlp) + 4 * t * d
     flops += (depth - 1) * per_block + last
     rep = cfg.get("representation_size") or 0
     if rep:

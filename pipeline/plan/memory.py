@@ -31,7 +31,7 @@ LayerNorm mean/rstd and the attention log-sum-exp in fp32. torch SDPA (flash / m
 on CUDA and on CPU alike) never stores the T x T matrix; `attention="math"` adds it. Dropout keeps
 a mask per dropped element (2 D + M more): 1 byte on CUDA, the element size on CPU. With activation
 checkpointing a block keeps only its input. With a class-token head the last block runs token 0
-alone past attention: the other tokens keep only LN1 in/out, K and V (4 D).
+alone past attention: the other tokens keep only LN1 in/out and the qkv output (5 D).
 
 `backend="cuda"` counts buffers as allocated (the caching allocator holds all of a bucket);
 `backend="cpu"` counts touched pages only (a bucket larger than the gradients it holds is never
@@ -165,8 +165,9 @@ def activation_bytes(shape: ModelShape, *, micro_batch: int, precision: str, che
     head_tokens = 1 if shape.config.get("pool", "token") == "token" else T
     ends = a * B * (shape.in_chans * shape.img_size**2 + head_tokens * D) + 4 * B * max(shape.num_classes, 1) * 2
     block_input = a * B * T * D
-    if head_tokens == 1:  # the last block computes token 0 only: all tokens keep LN1 in/out, K and V
-        last_block = a * B * T * 4 * D + 4 * B * T * 2 + per_token
+    if head_tokens == 1:  # the last block computes token 0 only: all tokens keep LN1 in/out and the qkv
+        # GEMM's output (q, k, v: token 0's query is a slice of it, counted in per_token)
+        last_block = a * B * (T * 5 - 1) * D + 4 * B * T * 2 + per_token
     else:
         last_block = per_block
     if checkpointing:

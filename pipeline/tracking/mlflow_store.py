@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from pipeline.files import append_jsonl, read_jsonl
-from pipeline.secrets import has_secret, redact, restore
+from pipeline.secrets import has_secret, mask_library_logs, redact, restore
 from pipeline.stops import Classified
 
 # Fail fast and let our thread retry: mlflow's own retries would stall the queue for minutes.
@@ -140,6 +140,7 @@ class Delivery:
 
     def _set_uri(self, uri: str) -> None:
         self._uri = restore(uri)  # what we connect with; in memory only
+        mask_library_logs()  # a retried request's log line names its query (a token)
         self.uri = redact(uri)  # what we write and show
         if has_secret(self._uri):  # MLflow prints "View run ... at: <the URI>" when a run ends
             os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"

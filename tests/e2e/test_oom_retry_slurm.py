@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 # tiny_cpu: global batch 32 = micro 16 x accumulation 1 x 2 ranks; halved: 8 x 2 x 2
 COMMON = ["submit", "pretrain", "--config", TINY, "--resources", RES, SYNTH, "train.steps=5", "train.log_every=1",
-          "checkpoint.every=2", "checkpoint.keep=5", "tracking.enabled=false", "cluster.max_failures=0", "--wait"]
+          "checkpoint.every=2", "checkpoint.keep=5", "tracking.enabled=false", "cluster.max_failures=0", "--wait",
+          "checkpoint.async=false"]  # inline: the fault before step 3 finds step 2's checkpoint published
 
 
 def test_oom_requeued_with_half_the_micro_batch_equals_a_hand_resume(slurm_cluster, tmp_path):

@@ -61,7 +61,9 @@ def test_kill_and_resume_over_the_cut_split_is_bit_exact(tiny_reference, cut_sha
     ref = tiny_reference(2, cut_shards)  # the uninterrupted 6-step run over the same data
     st = loader_state(ref / "checkpoints/step-00000004", 0)
     assert (st["epoch"], st["step"]) in {(1, 0), (0, 4)}  # 4 steps an epoch: the cut one
-    rc = pretrain(tmp_path, "engine.zero_stage=2", env={"VITP_TEST_KILL_AT_STEP": "3"}, data=cut_shards)
+    # inline saves: the kill before step 3 must find step 2's checkpoint published, not still being written
+    rc = pretrain(tmp_path, "engine.zero_stage=2", "checkpoint.async=false", env={"VITP_TEST_KILL_AT_STEP": "3"},
+                  data=cut_shards)
     assert rc != 0 and losses(tmp_path).keys() == {1, 2}
     st = loader_state(tmp_path / "checkpoints/step-00000002", 1)
     assert (st["epoch"], st["step"], st["workers"], st["world_size"]) == (0, 2, 2, 2)  # mid-epoch

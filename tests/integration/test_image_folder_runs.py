@@ -34,8 +34,8 @@ def setup(tmp_path_factory):
     return make_tree(d / "pets"), save_model(model, d / "init.safetensors")
 
 
-def transfer(run: Path, tree: Path, init: Path, env: dict | None = None) -> int:
-    argv = ["transfer", "--config", FT, f"run.dir={run}", f"init.from={init}", f"data.path={tree}", *ARGS]
+def transfer(run: Path, tree: Path, init: Path, env: dict | None = None, *extra: str) -> int:
+    argv = ["transfer", "--config", FT, f"run.dir={run}", f"init.from={init}", f"data.path={tree}", *ARGS, *extra]
     return run_local(argv, 2, env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}, timeout=900)
 
 
@@ -44,7 +44,8 @@ def test_transfer_from_a_folder_killed_and_resumed_is_bit_exact_then_evaluated(s
     tree, init = setup
     ref, killed = tmp_path / "ref", tmp_path / "killed"
     assert transfer(ref, tree, init) == 0
-    assert transfer(killed, tree, init, {"VITP_TEST_KILL_AT_STEP": "3"}) != 0
+    # inline saves: the kill before step 3 must find step 2's checkpoint published, not still being written
+    assert transfer(killed, tree, init, {"VITP_TEST_KILL_AT_STEP": "3"}, "checkpoint.async=false") != 0
     assert losses(killed).keys() == {1, 2}
     assert loader_state(killed / "checkpoints/step-00000002", 1) == {"steps": 2, "seed": 0}
     assert transfer(killed, tree, init) == 0

@@ -35,7 +35,8 @@ BAD = {
     "sync": (["missing-run"], "error: missing-run: no such run directory"),
     "demo": (["--data", "missing"], "error: --data missing: not a directory"),
     "suite": (["--config", "missing.yaml", "init.from=run", "run.dir=out"], "error: missing.yaml: cannot read"),
-    "config": (["show", "--config", TINY, "engine.zero_stage=4"], "error: engine.zero_stage: expected 0, 1, 2, 3 or auto, got 4"),
+    "config": (["show", "--config", TINY, "engine.zero_stage=4"],
+               "error: engine.zero_stage: expected 0, 1, 2, 3 or auto, got 4"),
 }
 
 

@@ -160,16 +160,17 @@ def test_flops_against_a_hand_count():
     D, M, N, T, P, K = 32, 64, 16, 9, 4 * 4 * 3, 5
     embed = 2 * N * P * D  # every patch is embedded: dropping comes after the patch embedding
     block = 2 * T * (3 * D * D + D * D + 2 * D * M) + 2 * 2 * T * T * D  # qkv, proj, MLP; QK^T and AV
-    last = 2 * T * 2 * D * D + 2 * (D * D + D * D + 2 * D * M) + 2 * 2 * T * D  # token 0 only (class-token head)
+    # token 0 only past attention (class-token head): one qkv GEMM over all T tokens, token 0's query sliced
+    last = 2 * T * 3 * D * D + 2 * (D * D + 2 * D * M) + 2 * 2 * T * D
     head = 2 * D * K
     hand = embed + block + last + head
-    assert hand == 257_600
+    assert hand == 273_984
     assert vit_forward_flops(TINY, patch_drop=0.5) == hand
     assert vit_forward_flops(TINY, batch=3, patch_drop=0.5) == 3 * hand
     assert train_step_flops(TINY, batch=2, patch_drop=0.5, grad_checkpointing=False) == 6 * hand
     full_T = 17
     full = (embed + 2 * full_T * (3 * D * D + D * D + 2 * D * M) + 4 * full_T * full_T * D
-            + 2 * full_T * 2 * D * D + 2 * (2 * D * D + 2 * D * M) + 4 * full_T * D + head)
+            + 2 * full_T * 3 * D * D + 2 * (D * D + 2 * D * M) + 4 * full_T * D + head)
     assert vit_forward_flops(TINY) == full and vit_forward_flops(TINY, patch_drop=0.0) == full
 
 

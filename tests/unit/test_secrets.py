@@ -67,3 +67,25 @@ def test_config_show_prints_the_redacted_uri():
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "uri: http://***@h:1/?sig=***" in r.stdout and "hunter2" not in r.stdout and "zzz" not in r.stdout
+
+
+def test_a_library_log_line_naming_a_request_query_is_masked(monkeypatch, caplog):
+    """urllib3's retry warning names the request's path and query, not a whole URI: the token and the
+    password this process knows are masked there too."""
+    import json
+    import logging
+
+    from pipeline import secrets
+
+    uri = "https://bob:pw-4f2a9c@mlflow.example/gw?token=gw-secret-77"
+    monkeypatch.setenv(secrets.ENV, json.dumps([uri]))
+    secrets.mask_library_logs()
+    secrets.mask_library_logs()  # idempotent: one filter
+    log = logging.getLogger("urllib3.connectionpool")
+    assert sum(isinstance(f, secrets._Masking) for f in log.filters) == 1  # noqa: SLF001
+    with caplog.at_level(logging.WARNING, logger="urllib3.connectionpool"):
+        log.warning("Retrying (%r) after connection broken by '%r': %s", "Retry(total=6)", "ReadTimeout",
+                    "/gw/api/2.0/mlflow/runs/log-batch?token=gw-secret-77 (user bob:pw-4f2a9c)")
+    text = caplog.text
+    assert "gw-secret-77" not in text and "pw-4f2a9c" not in text
+    assert "/gw/api/2.0/mlflow/runs/log-batch?token=***" in text

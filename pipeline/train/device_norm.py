@@ -12,14 +12,18 @@ parameter groups, pre-training's decay / no-decay), where nothing needs the host
   ``bool()`` of a device tensor, to replace an invalid norm by inf (then by ``torch.tensor(inf,
   device=...)``, another copy). :func:`clip_on_device` makes that replacement on the device first and
   runs DeepSpeed's method with a check that no longer needs to read: what it would have replaced is inf.
+- ``stage3.py`` ``get_grad_norm_direct`` (ZeRO-3) builds the same fill inline, ``torch.tensor(-1.0,
+  device=self.device)``: :func:`fill_on_device` runs it with ``torch.tensor`` of a number on a device made
+  a fill kernel (``torch.full``), which copies nothing.
 - ``runtime/utils.py`` ``clip_tensors_by_global_norm`` (BF16_Optimizer, ZeRO-1 under bf16) multiplies
   only ``if clip_coef < 1``, a ``bool()``; :func:`clip_by_global_norm` multiplies by ``min(coef, 1)``:
   the same numbers (x * 1.0 is x), no read.
 
-What stays: BF16_Optimizer's skip of a step whose norm is not finite (it must know on the host to
-skip), the overflow check of fp32/fp16 models (``stage_1_and_2.py`` step: it skips the step too), and
-ZeRO-2/3's ``synchronize()`` after each micro batch's backward under ``overlap_comm`` (DeepSpeed frees
-the reduced gradients only once the side stream is done with them).
+What stays: ZeRO-3's ``is_invalid_grad_norm`` in its step and BF16_Optimizer's skip, both of a step whose
+norm is not finite (the host must know to skip), ZeRO-3's synchronous all-gather of its persistent
+(small) parameters after the step, the overflow check of fp32/fp16 models (``stage_1_and_2.py`` step: it
+skips the step too), and ZeRO-2/3's ``synchronize()`` after each micro batch's backward under
+``overlap_comm`` (DeepSpeed frees the reduced gradients only once the side stream is done with them).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 
 import torch
 
@@ -84,3 +89,34 @@ def _checked(module):
         yield
     finally:
         module.is_invalid_grad_norm = check
+
+
+class _NumbersFilled:
+    """``torch`` as a DeepSpeed module sees it, except ``tensor(number, device=...)``: a 0-d fill on the
+    device (a kernel with the number as its argument) instead of a copy from pageable host memory."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(data, *args, device=None, dtype=None, **kwargs):
+        if device is not None and isinstance(data, numbers.Number) and not args and not kwargs:
+            return torch.full((), data, device=device, dtype=dtype)
+        return torch.tensor(data, *args, device=device, dtype=dtype, **kwargs)
+
+
+def fill_on_device(method, module):
+    """DeepSpeed's ``method`` run with ``module``'s ``torch`` answering ``tensor(number, device=...)`` by a
+    fill (:class:`_NumbersFilled`): ZeRO-3's ``get_grad_norm_direct`` and its inline -1 sentinel."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        seen = module.torch
+        module.torch = _NumbersFilled()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            module.torch = seen
+
+    wrapper.fills_on_device = True
+    return wrapper

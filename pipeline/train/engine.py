@@ -73,6 +73,9 @@ def _norm_and_clip_on_device() -> None:
                                                          norm_of=utils.get_global_norm_of_tensors)
     opt = zero12.DeepSpeedZeroOptimizer
     opt.unscale_and_clip_grads = device_norm.clip_on_device(opt.unscale_and_clip_grads, zero12)
+    opt3 = zero3.DeepSpeedZeroOptimizer_Stage3
+    if not getattr(opt3.get_grad_norm_direct, "fills_on_device", False):  # once per process
+        opt3.get_grad_norm_direct = device_norm.fill_on_device(opt3.get_grad_norm_direct, zero3)
 
 
 def _no_shm_op():

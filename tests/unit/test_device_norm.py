@@ -85,3 +85,21 @@ def test_engine_installs_them_where_deepspeed_looks():
         is zero3.mask_nan_or_inf_with_val_inplace is device_norm.mask_nonfinite
     assert bf16.clip_tensors_by_global_norm.func is device_norm.clip_by_global_norm
     assert zero12.DeepSpeedZeroOptimizer.unscale_and_clip_grads.__wrapped__.__module__ == zero12.__name__
+
+
+def test_zero3_norm_fill_is_made_on_the_device(no_host_reads):
+    """ZeRO-3's get_grad_norm_direct runs with its module's torch.tensor(number, device=...) made a fill:
+    the same value and dtype, other calls of torch.tensor as they were, the module's torch put back."""
+    eng._deepspeed()
+    zero3 = importlib.import_module("deepspeed.runtime.zero.stage3")
+    assert zero3.DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct.fills_on_device
+    module = SimpleNamespace(torch=torch)
+
+    def sentinel_and_list():
+        return module.torch.tensor(-1.0, device="cpu", dtype=torch.float), module.torch.tensor([1.0, 2.0])
+    filled = device_norm.fill_on_device(sentinel_and_list, module)
+    no_host_reads()
+    fill, listed = filled()
+    assert fill.dtype == torch.float and fill.shape == () and torch.equal(fill, torch.tensor(-1.0))
+    assert torch.equal(listed, torch.tensor([1.0, 2.0]))
+    assert module.torch is torch

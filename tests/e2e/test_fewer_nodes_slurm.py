@@ -19,10 +19,11 @@ import pytest
 
 from launch.attempts import read_events
 from launch.jobs import outcome, read_index, wait
+from launch.nodes import nodes_up
 from pipeline.data.loader import read_info, shard_labels
 from tests.e2e.test_bad_node import node_back
 from tests.e2e.test_cluster_faults import jobs_listing
-from tests.e2e.test_submit_slurm import RES, TINY, Gate, cli, job_id, usr2
+from tests.e2e.test_submit_slurm import RES, TINY, Gate, cli, job_id, poll, usr2
 from tests.integration.test_pretrain import COMMON, losses, metrics, shards  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -75,6 +76,9 @@ def test_a_requeue_on_fewer_nodes_continues_the_epoch_and_grows_back(slurm_clust
         gate.held(5, folder)  # attempt 1: 1 rank on node2
     finally:
         node_back(SPARE)
+    # RESUME sets the node IDLE; slurmctld calls it responding only once its next ping answers (idle*
+    # in between, ~1 s here): a requeue in that window would rightly ask for one node
+    poll(lambda: SPARE in (nodes_up(slurm_cluster.faults) or []), 60, f"{SPARE} up and responding")
     gate.signal_and_open(5, jid, folder, usr2(jid), "requeue")
     entries = read_index(jobs)
     ok, line = outcome(entries[0], wait(entries, timeout_s=600)[jid])

@@ -32,6 +32,7 @@ preemptions are the site's decision and are not counted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -67,6 +68,57 @@ def count(events: list[dict], kind: str) -> int:
     return sum(e.get("event") == kind for e in events)
 
 
+@dataclasses.dataclass(frozen=True)
+class Elastic:
+    """A job that may run on fewer nodes than planned (cluster.min_nodes < cluster.nodes).
+
+    SLURM's own range (``--nodes=min-max``) is not used: with a fixed task count per node select/cons_tres
+    starts such a job on ``min`` nodes however many are idle (measured, SLURM 22.05). Instead each requeue
+    vitp makes asks for the nodes the partition has up now (:func:`launch.nodes.nodes_up`: not down,
+    drained or failed, busy or not), less those the job leaves out, kept between ``min_nodes`` and
+    ``nodes``; each attempt runs on what it got (the batch script sets the task count from it) and
+    records the count in its line of events.jsonl."""
+
+    min_nodes: int
+    nodes: int
+    tasks_per_node: int = 1
+
+    @classmethod
+    def of(cls, cluster) -> Elastic | None:
+        """The cluster section's elastic range; None for a job of a fixed node count."""
+        if cluster.fewest_nodes >= cluster.nodes:
+            return None
+        return cls(cluster.fewest_nodes, cluster.nodes, cluster.tasks_per_node)
+
+    @classmethod
+    def parse(cls, text: str | None) -> Elastic | None:
+        """``MIN:MAX:TASKS_PER_NODE`` (the batch script's command line) -> Elastic; None for None."""
+        return cls(*map(int, text.split(":"))) if text else None
+
+    def __str__(self) -> str:
+        return f"{self.min_nodes}:{self.nodes}:{self.tasks_per_node}"
+
+    def fields(self, environ: dict | None = None) -> dict:
+        """This attempt's node count for its events.jsonl line: {"nodes": got, "of_nodes": planned}."""
+        env = os.environ if environ is None else environ
+        got = env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
+        return {"nodes": int(got), "of_nodes": self.nodes} if got else {}
+
+    def size(self, left_out: list[str], partition: str | None, up=nodes.nodes_up) -> int:
+        """How many nodes the next attempt asks for: the partition's nodes up now, less ``left_out``, kept
+        within [min_nodes, nodes] (all of them when sinfo cannot say)."""
+        have = up(partition)
+        if have is None:
+            return self.nodes
+        return max(self.min_nodes, min(self.nodes, len([n for n in have if n not in left_out])))
+
+    def requeue(self, job_id: str, left_out: list[str], partition: str | None, exclude_changed: bool = False,
+                up=nodes.nodes_up) -> None:
+        """Requeue the job asking for :meth:`size` nodes (and, when ``exclude_changed``, without ``left_out``)."""
+        slurm.requeue_as(job_id, exclude=left_out if exclude_changed else None,
+                         nodes=self.size(left_out, partition, up), tasks_per_node=self.tasks_per_node)
+
+
 def describe(event: dict) -> str:
     """One attempt's end for `vitp jobs`, e.g. "attempt 1: failed: rank 1 killed by SIGKILL; requeued"."""
     kind, step = event.get("event", "?"), event.get("step")
@@ -92,7 +144,8 @@ def describe(event: dict) -> str:
     elif kind == "failed":
         what = f"failed: rank {event.get('rank', '?')}: {event.get('error', '?')}"
         what += "; requeued" if event.get("requeued") else f"; not requeued ({event.get('why', 'no retry')})"
-    return f"attempt {event.get('restart', '?')}: {what or kind}"
+    on = f" on {event['nodes']} of {event['of_nodes']} nodes" if event.get("of_nodes") else ""
+    return f"attempt {event.get('restart', '?')}{on}: {what or kind}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -194,12 +247,13 @@ def _rank_log(folder: Path, name: str, rank, restart: int) -> str:
 
 
 def _exclusion(fault: nodes.Fault, then: Next, why_not: str | None, events: list[dict], env: dict,
-               exclude: list[str], max_excluded: int, pool) -> tuple[dict, Next, str | None]:
+               exclude: list[str], max_excluded: int, pool, elastic: Elastic | None = None
+               ) -> tuple[dict, Next, str | None]:
     """A failure that points at ``fault.node``: the event's fields, what next and why not requeued (a
     job whose failures are used up still records the node, for `vitp submit` to carry over)."""
     fields = {"node": fault.node, "fault": fault.reason}
     already = nodes.excluded(exclude, events)
-    needed = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    needed = elastic.min_nodes if elastic else int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
     partition = env.get("SLURM_JOB_PARTITION")
     add, kept, fails = nodes.leave_out(fault.node, already, max_excluded, needed,
                                        pool(partition) if callable(pool) else pool, partition)
@@ -210,7 +264,7 @@ def _exclusion(fault: nodes.Fault, then: Next, why_not: str | None, events: list
 
 
 def _failed(restart: int, why: dict, fault: nodes.Fault | None, events: list[dict], env: dict, max_failures: int,
-            exclude: list[str], max_excluded: int, pool, **extra) -> dict:
+            exclude: list[str], max_excluded: int, pool, elastic: Elastic | None = None, **extra) -> dict:
     """The "failed" line of attempt ``restart``: requeued while failures < max_failures, with the node the
     failure points at left out (``exclude``: the nodes the job was submitted without)."""
     if why.get("oom") and isinstance(why.get("micro_batch"), int):  # halved, not counted as a failure
@@ -224,7 +278,7 @@ def _failed(restart: int, why: dict, fault: nodes.Fault | None, events: list[dic
     then, why_not = stops.after_failure(why["retry"], failed, max_failures)
     fields: dict = {}
     if fault is not None and why["retry"]:
-        fields, then, why_not = _exclusion(fault, then, why_not, events, env, exclude, max_excluded, pool)
+        fields, then, why_not = _exclusion(fault, then, why_not, events, env, exclude, max_excluded, pool, elastic)
     event = {"event": Outcome.FAILED, "restart": restart, "rank": why["rank"], "error": why["error"], **extra,
              **fields, "requeued": then == Next.REQUEUE}
     if why_not:
@@ -239,7 +293,7 @@ def _record(folder: Path, event: dict) -> None:
 
 def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | None = None, requeue=None,
                    exclude: list[str] | None = None, max_excluded: int = MAX_EXCLUDED,
-                   pool=nodes.partition_nodes) -> int:
+                   pool=nodes.partition_nodes, elastic: Elastic | None = None) -> int:
     """The batch script after ``srun`` returned ``rc``: record a failed attempt and requeue the job
     while failures < max_failures, without the node the failure points at (``exclude``: the nodes the job
     was submitted without; ``pool``: the partition's nodes, or how to ask for them). Returns the batch
@@ -257,11 +311,16 @@ def end_of_attempt(log_dir: Path, rc: int, max_failures: int, environ: dict | No
     text = this_attempt(_tail(log), restart, job_id)
     why = failure(folder, restart, text, rc)
     fault = nodes.find_fault(text, why, _rank_log(folder, name, why["rank"], restart))
-    event = _failed(restart, why, fault, events, env, max_failures, exclude or [], max_excluded, pool, rc=rc)
+    on = elastic.fields(env) if elastic else {}
+    event = _failed(restart, why, fault, events, env, max_failures, exclude or [], max_excluded, pool, elastic,
+                    rc=rc, **on)
     _record(folder, event)
     if not event["requeued"]:
         return rc
-    if event.get("excluded"):  # every node left out so far: the update replaces the list
+    if elastic is not None and requeue is None:  # the next attempt asks for the nodes it can get
+        elastic.requeue(job_id, nodes.excluded(exclude, [*events, event]), env.get("SLURM_JOB_PARTITION"),
+                        exclude_changed=bool(event.get("excluded")))
+    elif event.get("excluded"):  # every node left out so far: the update replaces the list
         (requeue or slurm.requeue_excluding)(job_id, nodes.excluded(exclude, [*events, event]))
     else:
         (requeue or slurm.requeue)(job_id)
@@ -277,7 +336,7 @@ def previous_attempt(log_text: str, restart: int, job: str) -> str:
 
 def start_of_attempt(log_dir: Path, max_failures: int, environ: dict | None = None, requeue=None,
                      exclude: list[str] | None = None, max_excluded: int = MAX_EXCLUDED, pool=nodes.partition_nodes,
-                     hostnames=nodes.hostnames, down=nodes.down_nodes) -> int:
+                     hostnames=nodes.hostnames, down=nodes.down_nodes, elastic: Elastic | None = None) -> int:
     """The batch script before ``srun``, on a requeued attempt.
 
     An attempt that left no line in events.jsonl was ended by SLURM itself, which then requeued the job:
@@ -307,7 +366,9 @@ def start_of_attempt(log_dir: Path, max_failures: int, environ: dict | None = No
                 rank = had.index(node) * int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
             why = {"rank": rank, "error": f"node failure: {node} (NODE_FAIL)", "retry": True}
             event = _failed(restart - 1, why, nodes.Fault(node, "node failure"), events, env, max_failures,
-                            exclude or [], max_excluded, pool)
+                            exclude or [], max_excluded, pool, elastic)
+        if elastic is not None and had:  # the lost attempt's allocation
+            event.update(nodes=len(had), of_nodes=elastic.nodes)
         _record(folder, event)
         events.append(event)
         if event["event"] == Outcome.FAILED and not event["requeued"]:
@@ -317,12 +378,15 @@ def start_of_attempt(log_dir: Path, max_failures: int, environ: dict | None = No
     if not given or any(e.get("event") == Outcome.MOVED and e.get("restart") == restart - 1 for e in events):
         return 0  # (moved once already: SLURM did not take the update; run where it put the job)
     _record(folder, {"event": Outcome.MOVED, "restart": restart, "node": given[0]})
-    (requeue or slurm.requeue_excluding)(job_id, left_out)
+    if elastic is not None and requeue is None:
+        elastic.requeue(job_id, left_out, env.get("SLURM_JOB_PARTITION"), exclude_changed=True)
+    else:
+        (requeue or slurm.requeue_excluding)(job_id, left_out)
     return MOVED_RC
 
 
 def batch_lines(log_dir: str, max_failures: int, python: str | None = None, exclude: list[str] | None = None,
-                max_excluded: int = MAX_EXCLUDED) -> tuple[list[str], list[str]]:
+                max_excluded: int = MAX_EXCLUDED, elastic: Elastic | None = None) -> tuple[list[str], list[str]]:
     """(setup, teardown) lines of the sbatch script: mark where this attempt's log starts; after srun,
     hand its exit code to :func:`end_of_attempt` (teardown's first line runs right after srun, so $? is
     srun's status) and end the batch script with what that decides."""
@@ -332,11 +396,15 @@ def batch_lines(log_dir: str, max_failures: int, python: str | None = None, excl
     cmd = (f"{py} -m launch.attempts --log-dir {shlex.quote(str(Path(log_dir).resolve()))} "
            f"--max-failures {int(max_failures)}"
            + (f" --max-excluded {int(max_excluded)}" if max_excluded != MAX_EXCLUDED else "")
-           + "".join(f" --exclude {shlex.quote(n)}" for n in exclude or []))
+           + "".join(f" --exclude {shlex.quote(n)}" for n in exclude or [])
+           + (f" --elastic {elastic}" if elastic else ""))
     setup = ['echo "' + ATTEMPT_MARK.format(restart="${SLURM_RESTART_COUNT:-0}", job="$SLURM_JOB_ID") + '" >&2',
              'echo "' + NODES_MARK.format(nodes="$SLURM_JOB_NODELIST") + '" >&2',
              f'if [ "${{SLURM_RESTART_COUNT:-0}}" != 0 ]; then {cmd} --start; vitp_rc=$?; '
              f'[ $vitp_rc = 0 ] || exit $(( vitp_rc == {MOVED_RC} ? 0 : vitp_rc )); fi']
+    if elastic:  # srun's task count from the nodes this attempt got (sbatch exported the submitted one)
+        setup.append(f"export SLURM_NTASKS=$(( SLURM_JOB_NUM_NODES * {elastic.tasks_per_node} )); "
+                     "export SLURM_NPROCS=$SLURM_NTASKS")
     teardown = ["vitp_rc=$?", f"{cmd} --rc $vitp_rc", "exit $?"]
     return setup, teardown
 
@@ -354,12 +422,15 @@ def main(argv: list[str] | None = None) -> int:
     how.add_argument("--start", action="store_true", help="a requeued attempt's start (the setup, before srun)")
     p.add_argument("--max-excluded", type=int, default=MAX_EXCLUDED, help="cluster.max_excluded_nodes")
     p.add_argument("--exclude", action="append", default=[], help="a node the job was submitted without")
+    p.add_argument("--elastic", metavar="MIN:MAX:TASKS_PER_NODE",
+                   help="cluster.min_nodes:cluster.nodes:cluster.tasks_per_node of a job that may run on fewer nodes")
     args = p.parse_args(argv)
+    elastic = Elastic.parse(args.elastic)
     if args.start:
         return start_of_attempt(Path(args.log_dir), args.max_failures, exclude=args.exclude,
-                                max_excluded=args.max_excluded)
+                                max_excluded=args.max_excluded, elastic=elastic)
     return end_of_attempt(Path(args.log_dir), args.rc, args.max_failures, exclude=args.exclude,
-                          max_excluded=args.max_excluded)
+                          max_excluded=args.max_excluded, elastic=elastic)
 
 
 if __name__ == "__main__":

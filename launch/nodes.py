@@ -176,6 +176,27 @@ def partition_nodes(partition: str | None, run=subprocess.run) -> list[str] | No
     return nodes or None
 
 
+_GONE = ("down", "drain", "drng", "fail", "futr", "inval", "maint")  # sinfo's compact states of a node out of use
+
+
+def nodes_up(partition: str | None, run=subprocess.run) -> list[str] | None:
+    """The nodes of ``partition`` (None: the default one) in use or usable: not down, drained or draining,
+    failed, in maintenance or not responding (``*``), whether idle or busy now; None when sinfo cannot say."""
+    try:
+        r = run(["sinfo", "-h", "-N", "-o", "%N %t %P"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode:
+        return None
+    up: list[str] = []
+    for line in r.stdout.splitlines():
+        name, state, part = (line.split() + ["", "", ""])[:3]
+        mine = part.rstrip("*") == partition if partition else part.endswith("*")
+        if name and mine and name not in up and not state.startswith(_GONE) and not state.endswith("*"):
+            up.append(name)
+    return up
+
+
 # --------------------------------------------------------------------------------------------------
 # `vitp submit`: the run dir's left-out nodes carried to its next job
 # --------------------------------------------------------------------------------------------------
@@ -212,7 +233,8 @@ def nodes_left_problem(cfg, pool: list[str] | None) -> str | None:
     if pool is None or not c.exclude_nodes:
         return None
     left = [n for n in pool if n not in c.exclude_nodes]
-    if len(left) >= c.nodes:
+    if len(left) >= c.fewest_nodes:
         return None
+    fewest = f"cluster.min_nodes={c.min_nodes}" if c.fewest_nodes < c.nodes else f"cluster.nodes={c.nodes}"
     return (f"cluster.exclude_nodes: without {', '.join(c.exclude_nodes)} partition {c.partition or '(default)'} "
-            f"keeps {len(left)} of its {len(pool)} nodes, fewer than cluster.nodes={c.nodes}")
+            f"keeps {len(left)} of its {len(pool)} nodes, fewer than {fewest}")

@@ -40,7 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from launch.attempts import append_event, count, read_events
+from launch import nodes
+from launch.attempts import Elastic, append_event, count, read_events
 from pipeline import faults, hang, slurm, stops
 from pipeline.distributed import DistEnv, export_env, leave_process_group, setup
 from pipeline.files import write_json
@@ -108,6 +109,12 @@ def job_dist_env(job_env, engine: dict | None = None, environ=None) -> DistEnv:
     return DistEnv(rank=int(job_env.global_rank), world_size=world, local_rank=int(job_env.local_rank),
                    local_world_size=max(1, world // nodes), master_addr=engine.get("master_addr") or hosts[0],
                    master_port=port, source=job_env.cluster)
+
+
+def _nodes_of(cfg) -> dict:
+    """The node count this attempt ran on, for its events.jsonl line, when it may differ from cluster.nodes."""
+    elastic = Elastic.of(cfg.cluster)
+    return elastic.fields() if elastic else {}
 
 
 def _on_usr2(signum, frame) -> None:
@@ -273,7 +280,7 @@ class StageJob:
             _write_result(folder, summary)
             if job_env.cluster == "slurm":
                 append_event(folder, {"event": Outcome.COMPLETED, "restart": slurm.restart_count(),
-                                      "step": summary.get("step")})
+                                      "step": summary.get("step"), **_nodes_of(cfg)})
         return summary
 
     def _attempt_cfg(self, folder: Path, d: DistEnv) -> dict:
@@ -312,10 +319,14 @@ class StageJob:
                     f"(cluster.max_requeues={cfg.cluster.max_requeues}); resubmit to resume from the checkpoint")
             if outcome is None:  # SLURM requeued the job itself (a node failed): the next attempt says why
                 raise SystemExit(0)
-            append_event(folder, {"event": outcome, "restart": slurm.restart_count(), "step": step})
+            append_event(folder, {"event": outcome, "restart": slurm.restart_count(), "step": step, **_nodes_of(cfg)})
+            elastic = Elastic.of(cfg.cluster)
             if then == Next.END:  # the checkpoint is saved; nothing is requeued
                 summary["stop_reason"] = Stop.TIME_LIMIT if outcome == Outcome.TIME_LIMIT else Stop.CANCEL
                 _write_result(folder, summary)
+            elif elastic is not None:  # the next attempt asks for the nodes it can get (cluster.min_nodes)
+                elastic.requeue(job_id, nodes.excluded(cfg.cluster.exclude_nodes, read_events(folder)),
+                                os.environ.get("SLURM_JOB_PARTITION") or cfg.cluster.partition)
             else:
                 slurm.requeue(job_id)
         # No result pickle on a requeue: SystemExit passes submitit's `except Exception`, so the job counts

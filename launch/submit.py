@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 from . import nodes
-from .attempts import batch_lines, read_events
+from .attempts import Elastic, batch_lines, read_events
 from .jobs import (  # noqa: F401 (cli table)
     append_index,
     cancel_main,
@@ -102,8 +102,9 @@ def slurm_parameters(cfg) -> dict:
     # in a collective until its timeout; the batch script then records the failure and requeues the job
     # while cluster.max_failures allows (launch/attempts.py).
     p["slurm_srun_args"] = ["--kill-on-bad-exit=1"]
+    # cluster.min_nodes < cluster.nodes: queued for cluster.nodes; each requeue asks for what it can get
     setup, teardown = batch_lines(c.log_dir, c.max_failures, exclude=c.exclude_nodes,
-                                  max_excluded=c.max_excluded_nodes)
+                                  max_excluded=c.max_excluded_nodes, elastic=Elastic.of(c))
     if c.cpus_per_task > 1:
         # Slurm 22.05-23.02: srun no longer inherits sbatch's --cpus-per-task, so every rank (and its
         # loader workers) would share one core; SRUN_CPUS_PER_TASK restores it (ignored elsewhere).
@@ -278,6 +279,13 @@ def make_executor(cfg, cluster: str):
     ex = submitit.AutoExecutor(folder=str(Path(cfg.cluster.log_dir) / "%j"), cluster=cluster,
                                slurm_max_num_timeout=cfg.cluster.max_requeues)
     params = slurm_parameters(cfg) if cluster == "slurm" else local_parameters(cfg)
+    elastic = Elastic.of(cfg.cluster) if cluster == "slurm" else None
+    if elastic is not None:  # the first attempt too asks only for the nodes the partition has up
+        params["nodes"] = elastic.size(cfg.cluster.exclude_nodes or [], cfg.cluster.partition)
+        if params["nodes"] < cfg.cluster.nodes:
+            print(f"cluster.nodes={cfg.cluster.nodes}: partition {cfg.cluster.partition or '(default)'} has "
+                  f"{params['nodes']} nodes up; the job asks for {params['nodes']} (cluster.min_nodes="
+                  f"{cfg.cluster.min_nodes}; each requeue asks again)", file=sys.stderr, flush=True)
     if cluster == "debug":
         params = {"timeout_min": cfg.cluster.time_min}
     ex.update_parameters(**params)

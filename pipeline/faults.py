@@ -38,7 +38,7 @@ Inf gradient, :func:`poison_grad`: VITP_TEST_INF_GRAD_AT_STEP=k makes step k's l
 gradient on rank VITP_TEST_KILL_RANK (its value stays finite), as an overflow in one rank's backward would.
 
 Records, not faults: VITP_TEST_READ_LOG=P appends the keys of each training micro-batch a rank's loader
-hands out to ``P.<rank>`` (:func:`record_read`: which samples were read, counted by a test);
+hands out to ``P.<rank>`` (:func:`record_read`: which samples were read, by which SLURM attempt, counted by a test);
 VITP_TEST_OPTIM_DUMP=D writes the full optimizer state (rank 0, ``D/saved-<step>.pt`` at each save,
 ``D/resumed-<step>.pt`` after a resume; :func:`optimizer_dump`) so a test compares them across world sizes.
 
@@ -177,7 +177,8 @@ def record_read(rank: int, epoch: int, step: int, keys) -> None:
     log = os.environ.get(READ_LOG)
     if log:
         with open(f"{log}.{rank}", "a") as f:
-            f.write(json.dumps({"epoch": epoch, "step": step, "keys": list(keys)}) + "\n")
+            f.write(json.dumps({"epoch": epoch, "step": step, "keys": list(keys),
+                                "restart": slurm.restart_count()}) + "\n")
 
 
 def optimizer_dump(what: str, step: int) -> Path | None:

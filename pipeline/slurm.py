@@ -26,13 +26,22 @@ def requeue(job_id: str) -> None:
 
 
 def requeue_excluding(job_id: str, nodes: list[str], run=subprocess.run) -> bool:
-    """Requeue job ``job_id`` with ExcNodeList=``nodes`` (all of them: the update replaces the list).
+    """Requeue job ``job_id`` with ExcNodeList=``nodes`` (all of them: the update replaces the list);
+    :func:`requeue_as`. -> whether the update took."""
+    return requeue_as(job_id, exclude=nodes, run=run)
+
+
+def requeue_as(job_id: str, *, exclude: list[str] | None = None, nodes: int | None = None, tasks_per_node: int = 1,
+               run=subprocess.run) -> bool:
+    """Requeue job ``job_id`` changed: ExcNodeList=``exclude`` (the update replaces the list) and/or
+    NumNodes=``nodes`` with ``nodes x tasks_per_node`` tasks (an elastic job's next attempt, cluster.min_nodes).
 
     SLURM 22.05 refuses ExcNodeList for a job that is not PENDING (job_mgr.c ``_update_job``:
-    ESLURM_JOB_NOT_PENDING), so: ``scontrol requeuehold`` (the job is PENDING at once, held so that no
-    scheduler pass starts it before the update), ``scontrol update``, ``scontrol release``. A job SLURM
-    requeued by itself (its node failed) is pending already: ``hold`` instead. The requeue kills the
-    calling batch script (SIGTERM, KillWait, SIGKILL), so SIGTERM is ignored until the release is sent.
+    ESLURM_JOB_NOT_PENDING), and NumNodes on a running job would shrink its allocation, so:
+    ``scontrol requeuehold`` (the job is PENDING at once, held so that no scheduler pass starts it before
+    the update), ``scontrol update``, ``scontrol release``. A job SLURM requeued by itself (its node
+    failed) is pending already: ``hold`` instead. The requeue kills the calling batch script (SIGTERM,
+    KillWait, SIGKILL), so SIGTERM is ignored until the release is sent.
     -> whether the update took (a refused one is reported; the job is released either way)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # inherited by the scontrol children too
@@ -41,15 +50,19 @@ def requeue_excluding(job_id: str, nodes: list[str], run=subprocess.run) -> bool
         held = run(["scontrol", "hold", job_id], capture_output=True, text=True, timeout=60)
     if held.returncode:
         raise subprocess.CalledProcessError(held.returncode, held.args, held.stdout, held.stderr)
+    fields = [f"ExcNodeList={','.join(exclude)}"] if exclude is not None else []
+    if nodes is not None:  # NumTasks too: SLURM keeps the submitted task count, which would pin the node count
+        fields += [f"NumNodes={nodes}", f"NumTasks={nodes * tasks_per_node}"]
     try:
-        upd = run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
-                  capture_output=True, text=True, timeout=60)
+        upd = run(["scontrol", "update", f"JobId={job_id}", *fields], capture_output=True, text=True, timeout=60)
         if upd.returncode:
-            print(f"vitp: job {job_id}: ExcNodeList={','.join(nodes)} refused ({(upd.stderr or '').strip()})",
+            print(f"vitp: job {job_id}: {' '.join(fields)} refused ({(upd.stderr or '').strip()})",
                   file=sys.stderr, flush=True)
     finally:
         run(["scontrol", "release", job_id], check=True, capture_output=True, text=True, timeout=60)
-    print(f"Requeued job {job_id} (restart {restart_count() + 1}) without {','.join(nodes)}", file=sys.stderr,
+    how = [f"without {','.join(exclude)}"] if exclude else []
+    how += [f"on {nodes} node(s)"] if nodes is not None else []
+    print(f"Requeued job {job_id} (restart {restart_count() + 1}) {' '.join(how)}".rstrip(), file=sys.stderr,
           flush=True)
     return upd.returncode == 0
 

@@ -366,6 +366,9 @@ class HardwareCfg(Section):
 
 class ClusterCfg(Section):
     nodes: Int = Field(1, ge=1)
+    # fewest nodes an attempt may run on (None: cluster.nodes); each requeue vitp makes asks for the nodes the
+    # partition has up, between the two, and the accumulation adapts (launch/attempts.py Elastic)
+    min_nodes: Int | None = Field(None, ge=1)
     tasks_per_node: Int = Field(1, ge=1)  # one task per GPU
     gpus_per_node: Int = Field(0, ge=0)
     cpus_per_task: Int = Field(1, ge=1)
@@ -386,6 +389,18 @@ class ClusterCfg(Section):
     # nodes the job leaves out (sbatch --exclude); None: those the run dir's earlier jobs left out, [] none
     exclude_nodes: List(Str) | None = None
     max_excluded_nodes: Int = Field(2, ge=0)  # nodes a job leaves out after a failure that points at them
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes an attempt may run on: cluster.min_nodes, else cluster.nodes."""
+        return self.nodes if self.min_nodes is None else self.min_nodes
+
+    @model_validator(mode="after")
+    def _min_nodes(self):
+        if self.min_nodes is not None and self.min_nodes > self.nodes:
+            raise problem(f"cluster.min_nodes: {self.min_nodes} is more than cluster.nodes {self.nodes} "
+                          "(an attempt runs on min_nodes..nodes nodes)")
+        return self
 
     @model_validator(mode="after")
     def _node_names(self):

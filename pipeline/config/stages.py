@@ -94,5 +94,18 @@ def validate(cfg: StageConfig, *, world_size: int | None = None) -> None:
         raise ConfigError(f"world size must be >= 1; got {ws}")
     if isinstance(cfg, Config):
         BatchLayout.of(cfg.train, ws)  # the global batch splits over ws ranks
+        _every_node_count(cfg)
         if cfg.optim.ema is not None and cfg.engine.zero_stage == 3:
             raise ConfigError("optim.ema: needs engine.zero_stage <= 2 (ZeRO-3 partitions the parameters)")
+
+
+def _every_node_count(cfg: Config) -> None:
+    """A job with cluster.min_nodes < cluster.nodes may run on any count between them: the global batch must
+    split on each (refused at submission, not when a requeue lands on that count)."""
+    c = cfg.cluster
+    for n in range(c.fewest_nodes, c.nodes):
+        try:
+            BatchLayout.of(cfg.train, n * c.tasks_per_node)
+        except ConfigError as e:
+            raise ConfigError(f"cluster.min_nodes: {c.min_nodes} lets an attempt run on {n} nodes "
+                              f"({n * c.tasks_per_node} ranks), where {e}") from None

@@ -67,7 +67,14 @@ class GlobalOrder:
         body = t < self.lanes * self.lane_len
         lane, i = t[body] % self.lanes, t[body] // self.lanes
         w, within = i // self.window, i % self.window
-        perm = np.array([self._perm(int(c), int(k))[int(j)] for c, k, j in zip(lane, w, within)], dtype=np.int64)
+        perm = np.empty_like(within)
+        # one look-up per (lane, window) the indices fall in, not per index: a micro-batch draws from
+        # every lane, a read-ahead's worth of them from a few windows each
+        cells, which = np.unique(lane * (self.lane_len // self.window + 1) + w, return_inverse=True)
+        for k, cell in enumerate(cells.tolist()):
+            at = which == k
+            c, win = divmod(cell, self.lane_len // self.window + 1)
+            perm[at] = self._perm(c, win)[within[at]]
         out[body] = lane * self.lane_len + w * self.window + perm
         return out
 
@@ -80,7 +87,7 @@ class GlobalOrder:
 
 
 READ_AHEAD = 1024  # samples a worker reads together at most (a shuffle buffer's worth, up to this)
-GAP = 64  # wanted samples further apart than this in a shard with offsets: read as two slices
+GAP = 64  # wanted samples further apart than this in a remote shard with offsets: read as two slices
 
 
 def read_at(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> dict[int, tuple]:
@@ -95,8 +102,11 @@ def read_at(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> dict[int, tup
     out: dict[int, tuple] = {}
     for s in np.unique(shard).tolist():
         local = (pos[shard == s] - cum[s]).tolist()
-        seekable = shard_offsets(sp.urls[s]) is not None
-        cuts = [i for i in range(1, len(local)) if seekable and local[i] - local[i - 1] > GAP]
+        # a local file seeks to each run of wanted samples (parsing the headers of the samples between
+        # costs more than a seek: the workers, and the global batch's other shares, want those); a
+        # remote one is asked for one range per GAP's worth, a request costing a round trip
+        gap = None if shard_offsets(sp.urls[s]) is None else GAP if store.is_remote(sp.urls[s]) else 1
+        cuts = [i for i in range(1, len(local)) if gap is not None and local[i] - local[i - 1] > gap]
         for a, b in zip([0, *cuts], [*cuts, len(local)]):
             run = local[a:b]
             lo, hi = run[0], run[-1] + 1

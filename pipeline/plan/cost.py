@@ -251,6 +251,7 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
     tpu_days = total_flops / (TPU_V3_CORE_TFLOPS * 1e12 * hw.assumed_mfu) / 86400
     paper = PAPER_TPU_CORE_DAYS.get(m.name) if m.img_size == 224 else None
     ckpt = checkpoint_cost(cfg, shape.params, total_s / max(t.steps, 1))
+    fewest = _at_fewest_nodes(cfg, shape, mem_kw, budget) if c.fewest_nodes < c.nodes else None
     return {
         "model": {"name": m.name or "custom", "params": shape.params, "width": shape.width, "depth": shape.depth,
                   "heads": shape.heads, "mlp_dim": shape.mlp_dim, "tokens": shape.tokens,
@@ -273,7 +274,22 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
         "cost": {"total_s": total_s, "gpu_hours": total_s * n / 3600, "total_flops": total_flops,
                  "tpuv3_core_days": tpu_days, "paper_tpuv3_core_days": paper},
         "checkpoint": ckpt,
+        "fewest_nodes": fewest,
     }
+
+
+def _at_fewest_nodes(cfg, shape: ModelShape, mem_kw: dict, budget: float) -> dict:
+    """An attempt on cluster.min_nodes nodes (a requeue that got fewer): its step (more accumulation, the
+    same global batch) and its memory per GPU (ZeRO shards the states over fewer ranks)."""
+    c, t = cfg.cluster, cfg.train
+    few = cfg.model_copy(update={"cluster": c.model_copy(update={"nodes": c.fewest_nodes})})
+    n = few.world_size_planned
+    st = step_time(few, shape)
+    mem = memory_per_rank(shape, micro_batch=t.micro_batch,
+                          **{**mem_kw, "world_size": n, "accumulation": st["accumulation"]})
+    return {"nodes": c.fewest_nodes, "world_size": n, "accumulation": st["accumulation"], "step_s": st["step_s"],
+            "bound": st["bound"], "images_per_s": t.global_batch / st["step_s"], "memory_total": mem["total"],
+            "fits": mem["total"] <= budget}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,6 +360,7 @@ def format_report(p: dict) -> str:
           f"{_dur(t['exposed_comm_s'])} of it not hidden behind compute",
           f"   step {_dur(t['step_s'])} ({t['bound']}-bound); {th['images_per_s_per_gpu']:.0f} images/s per GPU, "
           f"{th['images_per_s']:.0f} images/s for the job",
+          *_fewest_lines(p["fewest_nodes"], t["step_s"]),
           *_patch_drop_lines(p["patch_drop"]),
           *report_lines(p["checkpoint"], _dur),
           "", "== cost",
@@ -367,6 +384,15 @@ def _comm_parts(v: dict) -> str:
         parts.append(f"{v['param_gather'] / 1e9:.2f} parameter all-gather")
     hidden = {"backward": "; the gradients' during backward", "compute": "; all of it during compute", None: ""}
     return " + ".join(parts) + hidden[v["overlaps"]]
+
+
+def _fewest_lines(f: dict | None, step_s: float) -> list[str]:
+    if f is None:
+        return []
+    return [f"   at cluster.min_nodes={f['nodes']} ({f['world_size']} ranks, accumulation {f['accumulation']}): step "
+            f"{_dur(f['step_s'])} ({f['step_s'] / step_s:.2f}x, {f['bound']}-bound), {f['images_per_s']:.0f} images/s "
+            f"for the job; {f['memory_total'] / GiB:.1f} GiB per GPU, "
+            f"{'fits' if f['fits'] else 'DOES NOT FIT: a requeue on that few nodes would run out of memory'}"]
 
 
 def _patch_drop_lines(pd: dict) -> list[str]:

@@ -153,6 +153,25 @@ def test_cli_sweep_nodes_and_offload_mark_invalid_rows(capsys):
     assert "invalid: train.global_batch: 4096 is not divisible by world size 24" in out
 
 
+def test_step_time_and_memory_at_min_nodes():
+    """A job that may be requeued on cluster.min_nodes nodes: the plan says what such an attempt's step
+    costs (the same global batch on half the ranks: twice the compute per rank) and whether it fits."""
+    base = ["cluster.nodes=2", "engine.zero_stage=3"]
+    full = _plan("vit_l16", *base)
+    assert full["fewest_nodes"] is None
+    p = _plan("vit_l16", *base, "cluster.min_nodes=1")
+    f, one = p["fewest_nodes"], _plan("vit_l16", "cluster.nodes=1", "engine.zero_stage=3")
+    assert p["time"] == full["time"] and p["memory"] == full["memory"]  # the plan itself is cluster.nodes'
+    assert (f["nodes"], f["world_size"], f["accumulation"]) == (1, 8, 2 * p["setup"]["accumulation"])
+    assert f["step_s"] == pytest.approx(one["time"]["step_s"]) and f["step_s"] > 1.9 * p["time"]["step_s"]
+    assert f["memory_total"] == one["memory"]["total"] > p["memory"]["total"]  # ZeRO-3 over 8 ranks, not 16
+    gib = (p["memory"]["total"] + f["memory_total"]) / 2 / P.GiB  # between the two: fits at 2 nodes only
+    tight = _plan("vit_l16", *base, "cluster.min_nodes=1", f"hardware.device_mem_gb={gib}")
+    assert tight["verdict"]["fits"] and not tight["fewest_nodes"]["fits"]
+    line = next(x for x in P.format_report(tight).splitlines() if "cluster.min_nodes" in x)
+    assert line.startswith("   at cluster.min_nodes=1 (8 ranks, accumulation ") and "DOES NOT FIT" in line
+
+
 def test_cli_json(capsys):
     assert plan_main(["--config", CFG.format("tiny_cpu"), "--backend", "cpu", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)

@@ -16,6 +16,10 @@ interleaved rounds, each of the same steps:
     ratio ckpt_async_step_rate         steps per second over the async save's duration against the same
                                        steps without a save: base time / async time (goal >= 0.9)
 
+Also printed, to tell the two costs apart: the CPU time rank 0's writer thread took, and the rate of
+the steps that ran beside it (the blocked copy left out). On a host whose cores the ranks already fill
+(cluster.cpus_per_task=1, a rank per core) the writer's CPU comes out of the steps.
+
     python bench/checkpoint.py                 # 1 + 3 rounds, files under ./bench-checkpoint-*/ (removed after)
     python bench/checkpoint.py --rounds 5 --dir /scratch/me
 """
@@ -91,7 +95,7 @@ def rank_main(out_dir: Path, rounds: int, result: Path) -> None:
         during = time.perf_counter() - t
         managers["async"].wait()
         rows.append({"inline_s": inline, "async_blocked_s": blocked, "base_s": steps(k), "async_s": during,
-                     "steps": k})
+                     "steps": k, "write_cpu_s": managers["async"].write_cpu_s})
     if rank == 0:
         size = sum(f.stat().st_size for f in (out_dir / "async").rglob("*") if f.is_file())
         result.write_text(json.dumps({"rows": rows, "bytes": size, "per_step_s": per_step, "world": world}))
@@ -127,9 +131,15 @@ def main() -> None:
     print(f"first save (allocates the host copy; not in the ratios): inline {first['inline_s']:.2f} s, "
           f"async blocked {first['async_blocked_s']:.3f} s")
     for i, r in enumerate(rows, 1):
-        print(f"round {i}: inline save {r['inline_s']:.2f} s, async save blocked {r['async_blocked_s']:.3f} s; "
+        print(f"round {i}: inline save {r['inline_s']:.2f} s, async save blocked {r['async_blocked_s']:.3f} s "
+              f"and its write took {r['write_cpu_s']:.2f} s of CPU in its thread; "
               f"{r['steps']} steps {r['base_s']:.2f} s without a save, {r['async_s']:.2f} s with one")
     med = statistics.median
+    # where the steps' time went: the copy inside the step (blocked), then the writer thread's CPU beside them
+    print(f"rank 0, medians: a save blocks {med(r['async_blocked_s'] for r in rows):.3f} s, its write takes "
+          f"{med(r['write_cpu_s'] for r in rows):.2f} s of CPU; the steps while it runs (blocked time left out) go at "
+          f"{med(r['base_s'] / (r['async_s'] - r['async_blocked_s']) for r in rows):.3f} of the rate without a save; "
+          f"{os.cpu_count()} CPU(s) here, load average {os.getloadavg()[0]:.1f}")
     blocked = med(r["async_blocked_s"] for r in rows) / med(r["inline_s"] for r in rows)
     print(f"ratio ckpt_async_blocked_vs_sync {blocked:.3f}")
     print(f"ratio ckpt_async_step_rate {med(r['base_s'] / r['async_s'] for r in rows):.3f}")

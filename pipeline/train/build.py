@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from pipeline import data as data_lib
 from pipeline.config import Config, resolve
@@ -100,11 +101,34 @@ def prepare_run_dir(run, resolved_yaml: str, rank: int) -> Path | None:
     if latest is not None:
         return latest
     ours = run_dir / "config.yaml"
-    foreign = rank == 0 and entries and not (ours.is_file() and ours.read_text() == resolved_yaml)
+    foreign = rank == 0 and entries and not (ours.is_file() and same_run(ours.read_text(), resolved_yaml))
     if broadcast_from_rank0(bool(foreign)):
         raise RunDirError(f"run.dir {run_dir} is not empty and holds no complete checkpoint of this config; "
                           "pass run.fresh=true to start over there, or choose another run.dir")
     return None  # empty, or an earlier attempt of this very run that died before its first checkpoint
+
+
+# how a step is split, not what it computes: an out-of-memory retry halves it with the global batch kept
+# (launch/preempt.py), and an attempt that died before its first checkpoint starts over in the same run dir
+NOT_IDENTITY = (("train", "micro_batch"),)
+
+
+def same_run(saved_yaml: str, resolved_yaml: str) -> bool:
+    """Whether a run dir's config.yaml (``saved_yaml``) is this config's (``resolved_yaml``) but for
+    the keys of :data:`NOT_IDENTITY`."""
+    def identity(text: str) -> dict:
+        doc = yaml.safe_load(text) or {}
+        for section, key in NOT_IDENTITY:
+            if isinstance(doc.get(section), dict):
+                doc[section] = {k: v for k, v in doc[section].items() if k != key}
+        return doc
+
+    if saved_yaml == resolved_yaml:
+        return True
+    try:
+        return identity(saved_yaml) == identity(resolved_yaml)
+    except yaml.YAMLError:  # a config.yaml cut short: not this run's
+        return False
 
 
 def evaluations(declared: list, ctx, *, engine, ema: Ema | None, last_step: int) -> dict[bool, Evaluations]:

@@ -338,6 +338,11 @@ class CheckpointManager:
         return self._writer.running
 
     @property
+    def write_cpu_s(self) -> float | None:
+        """The CPU time this rank's last write took (its thread's: torch.save, fsync, publishing)."""
+        return self._writer.cpu_s
+
+    @property
     def failed(self) -> bool:
         """This rank's last background write failed (the loop shares it with the step's flags)."""
         return self._writer.error is not None

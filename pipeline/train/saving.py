@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class Background:
     def __init__(self):
         self._thread: threading.Thread | None = None
         self.error: str | None = None
+        self.cpu_s: float | None = None  # the CPU time the last job took from its thread (bench/checkpoint.py)
 
     @property
     def running(self) -> bool:
@@ -106,10 +108,12 @@ class Background:
 
     def _record(self, job: Callable[[], str | None]) -> None:
         _lower_priority()
+        began = time.thread_time()
         try:
             err = job()
         except BaseException as e:  # a bug in the job: still one line, and the loop stops on it
             err = f"checkpoint write failed: {type(e).__name__}: {e}"
+        self.cpu_s = time.thread_time() - began
         if err and self.error is None:
             self.error = err
 

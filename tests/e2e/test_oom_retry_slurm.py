@@ -44,6 +44,21 @@ def test_oom_requeued_with_half_the_micro_batch_equals_a_hand_resume(slurm_clust
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
+def test_oom_before_the_first_checkpoint_starts_over_in_the_same_run_dir(slurm_cluster, tmp_path):
+    """No checkpoint yet (the first is due at step 4): the requeued attempt's config differs from the
+    run dir's config.yaml only in train.micro_batch, so it starts over there from step 1, not refused as
+    a foreign run dir; step 1 logged by the first attempt is not left twice in metrics.jsonl."""
+    run, jobs = tmp_path / "run", tmp_path / "jobs"
+    r = cli([*COMMON, f"run.dir={run}", f"cluster.log_dir={jobs}", "checkpoint.every=4"],
+            env={"VITP_TEST_OOM_AT_STEP": "2"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    ev = read_events(jobs / read_index(jobs)[0]["job_id"])
+    assert [(e["event"], e.get("micro_batch")) for e in ev] == [("failed", [16, 8]), ("completed", None)]
+    assert [s for s, _ in losses(run)] == [1, 2, 3, 4, 5]
+    assert "  micro_batch: 8\n" in (run / "config.yaml").read_text()
+    assert [p.name for p in sorted((run / "checkpoints").glob("step-*"))] == ["step-00000004", "step-00000005"]
+
+
 def test_oom_at_micro_batch_one_fails_in_one_line(slurm_cluster, tmp_path):
     jobs = tmp_path / "jobs"
     r = cli([*COMMON, f"run.dir={tmp_path / 'run'}", f"cluster.log_dir={jobs}", "train.global_batch=2",

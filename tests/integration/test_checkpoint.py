@@ -55,6 +55,8 @@ def test_run_dir_guard(tmp_path):
     write_resolved(cfg, tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     assert prepare_run_dir(cfg.run, to_yaml(cfg), 0) is None  # this very run, died before its first checkpoint
+    cfg.train.micro_batch //= 2  # an out-of-memory retry of it: the same run, split in smaller micro batches
+    assert prepare_run_dir(cfg.run, to_yaml(cfg), 0) is None
     cfg.optim.lr = 0.5
     with pytest.raises(RunDirError, match="run.fresh=true"):
         prepare_run_dir(cfg.run, to_yaml(cfg), 0)

@@ -60,6 +60,20 @@ def test_the_writer_keeps_the_first_failure_as_its_line_and_waits():
     assert other.error == "checkpoint write failed: ZeroDivisionError: division by zero"
 
 
+def test_the_writer_counts_the_cpu_its_thread_took_not_its_waits():
+    """What bench/checkpoint.py reports as a write's CPU: 0.05 s spent computing after 0.2 s asleep."""
+    def job():
+        threading.Event().wait(0.2)
+        began = time.thread_time()
+        while time.thread_time() - began < 0.05:
+            pass
+
+    bg = Background()
+    bg.run(job, inline=False)
+    bg.wait()
+    assert 0.05 <= bg.cpu_s < 0.15
+
+
 def test_host_room_counts_every_local_rank(monkeypatch):
     gib = 2**30
     assert host_room(10 * gib, 8, available=100 * gib)  # 80 of 0.8 x 100

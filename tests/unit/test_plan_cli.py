@@ -146,6 +146,32 @@ def test_cli_report_has_sections_verdict_and_sweep(capsys):
     assert any(" NO " in r for r in table) and any(" yes " in r for r in table)
 
 
+def test_cli_report_shows_what_a_save_holds_training_and_its_share(capsys):
+    """`vitp plan` prints the checkpoint section from the plan's own numbers: the blocking time of an
+    async save and its share of the run at the minutes cadence, the inline share beside it, and the
+    host snapshot in the memory table; checkpoint.async=false says the save holds training for its write."""
+    args = ["--config", CFG.format("vit_b16"), "checkpoint.every_minutes=10", "hardware.storage_write_gbps=0.1"]
+    assert plan_main(args) == 0
+    out = capsys.readouterr().out
+    ck = _plan("vit_b16", "checkpoint.every_minutes=10", "hardware.storage_write_gbps=0.1")["checkpoint"]
+    assert ck["interval_s"] == 600 and ck["write_s"] == pytest.approx(ck["bytes"] / 1e8)
+    section = out.split("== checkpoints (checkpoint.*)\n")[1].split("\n\n")[0].splitlines()
+    assert section == [
+        f"   {ck['bytes'] / 1e9:.2f} GB per checkpoint, written in {P._dur(ck['write_s'])} "  # noqa: SLF001
+        "(hardware.storage_write_gbps)",
+        f"   async: each save holds training {P._dur(ck['blocking_s'])} (the largest rank's "  # noqa: SLF001
+        f"{ck['snapshot_bytes'] / 1e9:.2f} GB copied to host memory, hardware.host_copy_gbps); the write goes on "
+        "in the background",
+        f"   one save every 10.0 min: {ck['share']:.2%} of the run; inline saves would cost {ck['inline_share']:.2%}"]
+    assert ck["share"] < ck["inline_share"] and f"{ck['inline_share']:.2%}" != "0.00%"
+    assert any(r.startswith("   checkpoint snapshot (async)") and r.endswith(f"{ck['snapshot_bytes'] / 2**30:.2f}")
+               for r in out.splitlines())
+    assert plan_main([*args, "checkpoint.async=false"]) == 0
+    inline = capsys.readouterr().out
+    assert f"   inline: each save holds training {P._dur(ck['write_s'])}\n" in inline  # noqa: SLF001
+    assert f"one save every 10.0 min: {ck['inline_share']:.2%} of the run\n" in inline
+
+
 def test_cli_sweep_nodes_and_offload_mark_invalid_rows(capsys):
     rc = plan_main(["--config", CFG.format("vit_b16"), "--sweep", "nodes=1,3", "offload=on,off"])
     out = capsys.readouterr().out

@@ -73,8 +73,15 @@ def test_decontam_lists_the_copies_and_the_loader_skips_exactly_them(sets, tmp_p
 def test_bad_input_is_one_line_and_writes_nothing(sets, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     prep(sets["train"], out, **KW)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.jpg").write_bytes(b"not an image")
+    (tmp_path / "m.csv").write_text("path,label\nchina/china.jpg,a\nnope.jpg,a\n")
     cases = [
         (["--exclude-near", tmp_path / "nope"], f"error: --exclude-near {tmp_path / 'nope'}: not found"),
+        (["--exclude-near", tmp_path / "bad"],
+         f"error: --exclude-near {tmp_path / 'bad'}/x.jpg: not a readable image (not an image format Pillow knows)"),
+        (["--exclude-near", tmp_path / "m.csv"], f"error: --exclude-near {tmp_path / 'm.csv'}: nope.jpg: not found "
+                                                "(listed there)"),
         (["--exclude-near", sets["china"], "--near-threshold", "25"],
          "error: --near-threshold: must be in 0..24; got 25"),
     ]

@@ -16,8 +16,9 @@ moves a thumbnail by a grey level or so); without it, one line saying so, before
 In steps, so that `vitp submit decontam` runs the middle one as a SLURM array over shard ranges
 (launch/preempt.py: run_decontam): ``plan`` (checks, and the test sets' index), ``check_shards`` (one
 range's excluded samples, a ``part``), ``write_exclusions`` (the parts merged into the file). The
-array's submitter stores the index under ``OUT/_decontam/``, each task its part there
-(``part_name``), and the last task to finish merges them: the same bytes as one process writes.
+array's submitter stores the index under ``OUT/_decontam/<request>/`` (``submit_plan``), each task its
+part there (``run_part``), and the task that finds every part written merges them: the same bytes as
+one process writes.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .near import signature
 from .schema import EXCLUDE_FILE, EXCLUDE_VERSION, IMAGE_EXTS, INFO_FILE, DatasetInfo
 from .shards import signatures_bytes, signatures_name
 from .tar import iter_tar
-from .testsets import build_index, check_test_sets
+from .testsets import build_index, check_test_sets, read_index, write_index
 
 WORK_DIR = "_decontam"  # under OUT: an array's index and its tasks' parts
 BATCH = 64  # signature files read at once (an object store is asked for them concurrently)
@@ -147,3 +148,38 @@ def request_id(block: dict, ranges: list) -> str:
 
 def part_name(request: str, r: tuple[int, int] | list[int]) -> str:
     return f"part-{request}-{r[0]:06d}-{r[1]:06d}.json"
+
+
+def work_dir(out: str, request: str) -> str:
+    return store.join(out, f"{WORK_DIR}/{request}")
+
+
+def submit_plan(out: str | os.PathLike, test_sets: list[str], splits: list[str] | None, threshold: int,
+                rehash: bool, ranges_of) -> tuple[str, list[tuple[int, int]], str]:
+    """The submitter's part: plan() (every check, the test sets hashed once), the shard ranges
+    (``ranges_of(number of shards)``) and the index stored for the tasks -> (OUT, ranges, request)."""
+    out, shards, (index, names, block) = plan(out, test_sets, splits, threshold, rehash)
+    ranges = [tuple(r) for r in ranges_of(len(shards))]
+    request = request_id(block, ranges)
+    write_index(work_dir(out, request), index, names, block)
+    return out, ranges, request
+
+
+def run_part(out: str, ranges: list, request: str, task: int) -> dict:
+    """One array task: its range's excluded samples written as its part; the task that then finds
+    every part there writes OUT/_exclude.json (two finding it at once write the same bytes)."""
+    work = work_dir(out, request)
+    got = read_index(work)
+    if got is None:
+        raise ValueError(f"{store.public(work)}: no index (written by `vitp submit decontam` before the array)")
+    index, names, block = got
+    a, b = ranges[task]
+    samples = check_shards(out, shard_list(out)[a:b], index, names)
+    store.write_file(work, part_name(request, ranges[task]),
+                     (json.dumps(samples, sort_keys=True) + "\n").encode("utf-8"))
+    parts = store.read_files(work, [part_name(request, r) for r in ranges])
+    summary = {"excluded_here": len(samples), "complete": all(v is not None for v in parts.values())}
+    if summary["complete"]:
+        merged = [x for raw in parts.values() for x in json.loads(raw)]
+        summary["excluded"] = write_exclusions(out, block, merged)["excluded"]
+    return summary

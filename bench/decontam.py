@@ -108,6 +108,8 @@ def honest(n_test: int, n_train: int, n_copies: int, threshold: int) -> None:
         rate = p / n_pairs
         print(f"{name}: {p} of {n_pairs} pairs match ({rate:.2e} per pair), {i} of {len(train)} clean images "
               f"rejected against {len(test)} test images; against {AT_SCALE}: {1 - (1 - rate) ** AT_SCALE:.4f}")
+    print(f"resolution: one pair in {n_pairs} would be {1 / n_pairs:.1e} per pair, "
+          f"{1 - (1 - 1 / n_pairs) ** AT_SCALE:.4f} against {AT_SCALE}")
     print(f"ratio decontam_false_rate_300k_hash_only {1 - (1 - pairs / n_pairs) ** AT_SCALE:.4f}")
     print(f"ratio decontam_false_rate_300k {1 - (1 - pairs2 / n_pairs) ** AT_SCALE:.4f}")
     recall_table(test, photo, hashes, thumbs, n_copies, threshold, rng)

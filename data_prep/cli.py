@@ -189,7 +189,9 @@ def verify_main(argv: list[str]) -> int:
 DECONTAM_EPILOG = """\
 Reads the signatures `vitp prep` stored beside each shard (no image is read) and writes
 OUT/_exclude.json: the samples that are near-duplicates of a test image. Every loader leaves them
-out (the shards stay as they are). The same test sets again change nothing.
+out (the shards stay as they are). The same test sets again change nothing. An output prepared
+before prep stored signatures needs --rehash (each such shard is decoded once and its signatures
+written). `vitp submit decontam` runs the same check as a SLURM array over shard ranges.
 
 example:
   vitp decontam out/web --exclude-near data/imagenet_val --exclude-near s3://bench/cifar10
@@ -197,29 +199,49 @@ Exit status 0 when the list is written; 2 a usage or input mistake (one line on 
 """
 
 
-def decontam_main(argv: list[str]) -> int:
+def add_decontam_options(p: argparse.ArgumentParser) -> None:
+    """`vitp decontam`'s options after OUT (`vitp submit decontam` takes the same)."""
     from pipeline.config.prep import DEFAULT_NEAR_THRESHOLD, MAX_NEAR_THRESHOLD
 
-    p = argparse.ArgumentParser(prog="vitp decontam", description="Check a prep output against test sets.",
-                                epilog=DECONTAM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("out", help="what vitp prep wrote: a folder, s3://bucket/prefix, gs://...")
     p.add_argument("--exclude-near", action="append", metavar="TEST", required=True,
                    help="a test set (repeatable): an image folder, a manifest or a vitp prep output")
     p.add_argument("--exclude-near-splits", metavar="SPLITS",
                    help="of a prep output given to --exclude-near, these splits (default: test, else all)")
     p.add_argument("--near-threshold", type=int, metavar="D", default=DEFAULT_NEAR_THRESHOLD,
                    help=f"hash candidates within D bits (0-{MAX_NEAR_THRESHOLD}; default {DEFAULT_NEAR_THRESHOLD})")
-    args = p.parse_args(argv)
+    p.add_argument("--rehash", action="store_true",
+                   help="an output prepared before prep stored signatures: decode its shards once to make them")
+
+
+def decontam_options(args) -> tuple[list[str], list[str] | None, int]:
+    """Checked options -> (test sets, splits or None, threshold); a mistake is one line naming the option."""
+    from pipeline.config.prep import MAX_NEAR_THRESHOLD
+
     if not 0 <= args.near_threshold <= MAX_NEAR_THRESHOLD:
         raise ValueError(f"--near-threshold: must be in 0..{MAX_NEAR_THRESHOLD}; got {args.near_threshold}")
     if len(set(args.exclude_near)) != len(args.exclude_near):
         raise ValueError(f"--exclude-near: the same test set twice in {args.exclude_near}")
-    from . import store
-    from .decontam import EXCLUDE_FILE, decontam
-
     splits = args.exclude_near_splits.split(",") if args.exclude_near_splits else None
-    s = decontam(args.out, args.exclude_near, splits, args.near_threshold)
+    return args.exclude_near, splits, args.near_threshold
+
+
+def decontam_line(out: str, s: dict) -> str:
+    """The one line `vitp decontam` (and `vitp submit decontam`'s last task) prints of a summary."""
+    from . import store
+    from .schema import EXCLUDE_FILE
+
     per = ", ".join(f"{a['address']}: {a['rejected']} ({a['duplicated']} test images)" for a in s["against"])
-    print(f"vitp decontam: {s['excluded']} samples excluded ({per}); "
-          f"{store.public(store.join(args.out, EXCLUDE_FILE))}")
+    return f"vitp decontam: {s['excluded']} samples excluded ({per}); {store.public(store.join(out, EXCLUDE_FILE))}"
+
+
+def decontam_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="vitp decontam", description="Check a prep output against test sets.",
+                                epilog=DECONTAM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", help="what vitp prep wrote: a folder, s3://bucket/prefix, gs://...")
+    add_decontam_options(p)
+    args = p.parse_args(argv)
+    test_sets, splits, threshold = decontam_options(args)
+    from .decontam import decontam
+
+    print(decontam_line(args.out, decontam(args.out, test_sets, splits, threshold, rehash=args.rehash)))
     return 0

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from . import store
 from .images import to_rgb_array
@@ -72,7 +72,13 @@ def _manifest(address: str) -> Iterator[tuple[str, bytes]]:
         paths = [row["path"] for row in csv.DictReader(io.StringIO(data.decode("utf-8")))]
     base = address.rsplit("/", 1)[0]
     for rel in paths:
-        yield rel, store.read_bytes(store.join(base, rel))
+        try:
+            data = store.read_bytes(store.join(base, rel))
+        except FileNotFoundError:
+            raise ValueError(f"--exclude-near {store.public(address)}: {rel}: not found (listed there)") from None
+        except OSError as e:
+            raise ValueError(f"--exclude-near {store.public(address)}: {rel}: cannot be read ({e})") from None
+        yield rel, data
 
 
 def _folder(address: str) -> Iterator[tuple[str, bytes]]:
@@ -120,7 +126,8 @@ def build_index(addresses: list[str], splits: list[str] | None, threshold: int) 
             try:
                 hs, ts = image_signatures(data)
             except Exception as e:  # a test image that does not decode cannot be matched: say so, early
-                raise ValueError(f"--exclude-near {shown}/{rel}: not a readable image ({e})") from None
+                why = "not an image format Pillow knows" if isinstance(e, UnidentifiedImageError) else e
+                raise ValueError(f"--exclude-near {shown}/{rel}: not a readable image ({why})") from None
             hashes.append(hs)
             thumbs.append(ts)
             names.append(f"{shown}/{rel}")

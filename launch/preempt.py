@@ -55,6 +55,7 @@ STAGE_TARGETS = {
     "transfer": "pipeline.transfer:transfer",
     "eval": "pipeline.evaluate:evaluate",
     "prep": "launch.preempt:run_prep",
+    "decontam": "launch.preempt:run_decontam",
 }
 
 
@@ -62,7 +63,7 @@ def stage_schema(stage: str):
     """The config model of ``stage``: the sections it reads (pipeline.config)."""
     from pipeline.config import Config, EvalConfig, PrepConfig
 
-    return {"eval": EvalConfig, "prep": PrepConfig}.get(stage, Config)
+    return {"eval": EvalConfig, "prep": PrepConfig, "decontam": PrepConfig}.get(stage, Config)
 
 
 CANCEL_MARK = "cancel-requested"  # written by `vitp cancel` before scancel
@@ -215,6 +216,15 @@ def run_prep(cfg, *, source: str, out: str, shard_ranges: list, task: int = 0) -
     summary = prep(source, out, cfg.prep, shard_range=(a, b), progress=False)
     return {"status": "completed", "task": task, "shard_range": [a, b],
             **{k: v for k, v in summary.items() if k in ("shards_written", "shards_skipped", "complete")}}
+
+
+def run_decontam(cfg, *, out: str, shard_ranges: list, request: str, task: int = 0) -> dict:
+    """One array task of `vitp submit decontam`: its range of OUT's shards checked against the index the
+    submitter stored; the task that finds every range's part written merges them into _exclude.json."""
+    from data_prep.decontam import run_part
+
+    return {"status": "completed", "task": task, "shard_range": list(shard_ranges[task]),
+            **run_part(out, shard_ranges, request, task)}
 
 
 @dataclasses.dataclass

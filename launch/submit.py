@@ -4,6 +4,7 @@
         cluster.nodes=4 data.path=/data/shards --wait
     vitp submit pretrain --config X.yaml --sweep optim.lr=1e-3,3e-4      # one array, one MLflow run each
     vitp submit prep ~/imagenet/train shards/ --tasks 16 --resize-shorter 256   # array over shard ranges
+    vitp submit decontam shards/ --tasks 16 --exclude-near data/pets_test        # the same, after the fact
 
 Everything that can be wrong is checked here, at the login node, before ``sbatch``: the config
 (types, ranges, batch divisibility), the partition (``sinfo``), the data (``_info.json`` holds
@@ -42,9 +43,17 @@ from .jobs import (  # noqa: F401 (cli table)
 )
 from .preempt import STAGE_TARGETS, StageJob, stage_schema
 from .stages import check_addresses, evaluators_of
-from .submit_args import SubmitError, eval_parser, parse_sweep, prep_parser, split_shards, stage_parser
+from .submit_args import (
+    SubmitError,
+    decontam_parser,
+    eval_parser,
+    parse_sweep,
+    prep_parser,
+    split_shards,
+    stage_parser,
+)
 
-STAGES = ("prep", "pretrain", "transfer", "eval")
+STAGES = ("prep", "pretrain", "transfer", "eval", "decontam")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -347,7 +356,7 @@ def submit_jobs(stage: str, cfgs: list, calls: list[StageJob], cluster: str, ext
 
 def _run_dir(stage: str, cfg, call: StageJob) -> str:
     """Where the job's results go: the run dir, prep's output folder, or eval's results folder."""
-    if stage == "prep":
+    if stage in ("prep", "decontam"):
         return call.kwargs.get("out", "")
     if stage == "eval":
         from pipeline.evaluate import default_out
@@ -397,6 +406,23 @@ def _prep_calls(args, cfg) -> tuple[list, list[StageJob]]:
     return [cfg] * len(calls), calls
 
 
+def _decontam_calls(args, cfg) -> tuple[list, list[StageJob]]:
+    """`vitp submit decontam`: every check and the test sets' hashing here, once (a bad input is one
+    line and nothing is queued); one task per range of OUT's shards."""
+    from data_prep.cli import decontam_options
+    from data_prep.decontam import submit_plan
+
+    test_sets, splits, threshold = decontam_options(args)
+    # the tasks run elsewhere: local addresses by their absolute paths
+    test_sets = [a if "://" in a else str(Path(a).resolve()) for a in test_sets]
+    out = args.out if "://" in args.out else str(Path(args.out).resolve())
+    out, ranges, request = submit_plan(out, test_sets, splits, threshold, args.rehash,
+                                       lambda n: split_shards(n, args.tasks))
+    common = {"out": out, "shard_ranges": [list(r) for r in ranges], "request": request}
+    calls = [StageJob("decontam", _cfg_dict(cfg), kwargs={**common, "task": i}) for i in range(len(ranges))]
+    return [cfg] * len(calls), calls
+
+
 def _cfg_dict(cfg) -> dict:
     from pipeline.config import to_dict
 
@@ -407,21 +433,22 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
     """`vitp submit STAGE ...`; ``target`` ("module:function") replaces the stage function (tests)."""
     if not argv or argv[0] in ("-h", "--help"):
         stage_parser().print_help()
-        print(f"\nstages: {', '.join(STAGES)}, suite; `vitp submit prep --help` for the array form, "
+        print(f"\nstages: {', '.join(STAGES)}, suite; `vitp submit prep --help` and "
+              "`vitp submit decontam --help` for the array forms, "
               "`vitp submit suite --help` for a transfer suite")
         return 0 if argv else 2
     stage, rest = argv[0], argv[1:]
     if stage not in STAGES:
         raise SubmitError(f"unknown stage {stage!r}; one of {', '.join(STAGES)}")
     # intermixed: key=value overrides may come before or after the options
-    parser = {"prep": prep_parser, "eval": eval_parser}.get(stage, stage_parser)()
+    parser = {"prep": prep_parser, "decontam": decontam_parser, "eval": eval_parser}.get(stage, stage_parser)()
     args = parser.parse_intermixed_args(rest)
     cluster = args.cluster or default_cluster()
     extra: dict = {}
-    if stage == "prep":
+    if stage in ("prep", "decontam"):
         bad = [o for o in args.overrides if not o.startswith("cluster.")]
         if bad:
-            raise SubmitError(f"override {bad[0]!r}: `submit prep` takes only cluster.* overrides")
+            raise SubmitError(f"override {bad[0]!r}: `submit {stage}` takes only cluster.* overrides")
         cfg = load_submit_config(None, args.overrides, args.resources, stage)
         cfg.cluster.nodes, cfg.cluster.tasks_per_node = 1, 1  # each array task is one process
         check_cluster(cfg, cluster)
@@ -430,7 +457,7 @@ def submit_main(argv: list[str], target: str | None = None) -> int:
         if args.dry_run:
             print(json.dumps(slurm_parameters(cfg), indent=1, sort_keys=True))
             return 0
-        cfgs, calls = _prep_calls(args, cfg)
+        cfgs, calls = (_prep_calls if stage == "prep" else _decontam_calls)(args, cfg)
     elif stage == "eval":
         from .stages import eval_overrides
 

@@ -85,6 +85,24 @@ def prep_parser() -> argparse.ArgumentParser:
     return p
 
 
+def decontam_parser() -> argparse.ArgumentParser:
+    from data_prep.cli import add_decontam_options
+
+    from .cli import parser_for
+
+    p = parser_for("submit", "Submit `vitp decontam` as a SLURM array over the prep output's shards: the "
+                             "test sets are hashed once, here; each task checks a range of shards; the last "
+                             "to finish writes OUT/_exclude.json.")
+    p.epilog = ("example:\n  vitp submit decontam out/web --tasks 64 --exclude-near data/pets_test --wait\n\n"
+                + p.epilog.split("\n\n", 1)[1])
+    p.add_argument("out", help="a finished `vitp prep` output (a shared folder, s3:// or gs://)")
+    p.add_argument("overrides", nargs="*", metavar="cluster.KEY=VALUE")
+    p.add_argument("--tasks", type=int, default=1, help="array tasks (each checks a range of shards)")
+    add_decontam_options(p)  # `vitp decontam`'s own options
+    common_args(p)
+    return p
+
+
 def stage_parser() -> argparse.ArgumentParser:
     from .cli import add_config_args, parser_for
 

@@ -50,6 +50,7 @@ from .minival import evaluated_split, training_split
 from .order import GlobalOrderRun
 from .rank_order import RankOrderRun
 from .shards import (  # noqa: F401 (re-exported: callers import the dataset API from here)
+    EXCLUDED,
     SKIP_REASONS,
     DataError,
     Info,
@@ -60,6 +61,7 @@ from .shards import (  # noqa: F401 (re-exported: callers import the dataset API
     read_positions,
     read_shard,
     shard_labels,
+    skip_record,
 )
 from .source import ClassLoaders, DataSource
 from .stream import ReadPolicy
@@ -167,7 +169,8 @@ class TrainLoader:
 
     ``steps_per_epoch = max(1, num_samples // global_batch)`` optimizer steps, each made of
     ``accum_steps = global_batch / (world_size × micro_batch)`` micro-batches per rank.
-    ``skipped``: reason → count of bad samples seen on this rank (log it as a metric).
+    ``skipped``: reason → count of bad samples seen on this rank, and under ``excluded`` the samples of
+    the dataset's ``_exclude.json`` (`vitp decontam`) it passed over (log them: :func:`skip_record`).
     ``position``: (epoch, micro-batch) of the batch last yielded (seeds :class:`~pipeline.data.mixing.Mixer`).
     """
 
@@ -208,7 +211,7 @@ class TrainLoader:
                           shuffle_buffer=c.shuffle_buffer, img_size=self.img_size, crop_scale=tuple(c.crop_scale),
                           hflip=c.hflip, randaugment=c.randaugment, policy=ReadPolicy.of(c), random_crop=c.random_crop,
                           seek_resume=not any(v for k, v in getattr(self, "skipped", {}).items()
-                                               if k != "undecodable_image"),
+                                               if k not in ("undecodable_image", EXCLUDED)),
                           order=self.order, global_batch=self.global_batch, world_size=self.world_size,
                           lanes=c.lanes)
 

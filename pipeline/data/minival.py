@@ -141,9 +141,13 @@ def restricted(sp: SplitInfo, positions) -> SplitInfo:
     pos = np.asarray(positions, dtype=np.int64)
     shard = np.searchsorted(cum, pos, side="right") - 1
     keep = tuple(tuple((pos[shard == s] - cum[s]).tolist()) for s in range(len(sp.urls)))
+    excluded = None
     if sp.keep is not None:  # already cut (`vitp decontam`'s exclusions): positions count its kept samples
+        if sp.excluded is not None:  # each left-out sample still counted with the kept one it stood with
+            excluded = tuple(tuple(sp.excluded[s][j] for j in k) for s, k in enumerate(keep))
         keep = tuple(tuple(sp.keep[s][j] for j in k) for s, k in enumerate(keep))
-    return dataclasses.replace(sp, num_samples=len(pos), lengths=tuple(len(k) for k in keep), keep=keep)
+    return dataclasses.replace(sp, num_samples=len(pos), lengths=tuple(len(k) for k in keep), keep=keep,
+                               excluded=excluded)
 
 
 def training_split(cfg_data, info, name: str) -> SplitInfo:

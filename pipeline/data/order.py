@@ -37,7 +37,16 @@ from torch.utils.data import IterableDataset
 from data_prep import store
 
 from .augment import augment_batch, sample_seed
-from .shards import DataError, SkipCounts, SplitInfo, range_stop, read_slices, shard_offsets
+from .shards import (
+    EXCLUDED,
+    DataError,
+    SkipCounts,
+    SplitInfo,
+    excluded_by_position,
+    range_stop,
+    read_slices,
+    shard_offsets,
+)
 from .workers import current, io_report, wire
 
 
@@ -179,6 +188,9 @@ class GlobalOrderRun(IterableDataset):
         m, tf, order = p.micro_batches, p.transform(), None
         counts, seen_bad = SkipCounts(), set()
         ahead = max(1, min(p.shuffle_buffer, READ_AHEAD) // p.micro_batch)  # micro-batches read together
+        # the left-out samples are counted with the micro-batch that holds the kept one beside them, not
+        # when read: a chunk's reads are grouped by worker turns, which a resume at another step regroups
+        gaps = excluded_by_position(p.split)
         mine = itertools.count(self.start + d, n)
         if self.epochs is not None:
             mine = itertools.takewhile(lambda k: k < self.epochs * m, mine)
@@ -192,4 +204,6 @@ class GlobalOrderRun(IterableDataset):
                               counts, **reader_kw(p))
                 for t in starts:
                     out = micro_batch(p, order, t, got, tf, counts, seen_bad)
+                    if gaps and (n_out := sum(gaps.get(q, 0) for q in order.positions(t, t + p.micro_batch).tolist())):
+                        counts.add(EXCLUDED, n_out)
                     yield wire((*out, counts.take(), io_report()))

@@ -66,7 +66,7 @@ def _raw_stream(p, epoch: int, stream: int, n: int, count: int, counts: SkipCoun
     where that cannot be exact, reads the first ``skip`` samples again and drops them."""
     seed, rank, sp, K, ml = p.seed, p.rank, p.split, p.num_classes, p.multi_label
     lengths, urls = list(sp.lengths), sp.urls
-    kw = dict(num_classes=K, multi_label=ml, policy=p.policy, keep=sp.keep)
+    kw = dict(num_classes=K, multi_label=ml, policy=p.policy, keep=sp.keep, excluded=sp.excluded)
     if p.resampled:
         rng = np.random.default_rng([seed, epoch, rank, stream, 1])
 

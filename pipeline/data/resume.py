@@ -35,7 +35,8 @@ def resumed(p, segs: list, counts: SkipCounts, rng: np.random.Generator, skip: i
     range is read from its byte offset on. Exact when every position of the prefix was readable
     (the loader falls back to re-reading otherwise)."""
     sp = p.split
-    kw = dict(num_classes=p.num_classes, multi_label=p.multi_label, policy=p.policy, keep=sp.keep)
+    kw = dict(num_classes=p.num_classes, multi_label=p.multi_label, policy=p.policy, keep=sp.keep,
+              excluded=sp.excluded)
     urls, lengths = sp.urls, list(sp.lengths)
     n = sum(hi - lo for _, lo, hi in segs)
     if p.shuffle_buffer <= 1:

@@ -55,6 +55,10 @@ class SplitInfo:
     # a split cut to some of its samples (pipeline/data/minival.py): per shard, the indices kept; positions
     # and ``lengths`` then count kept samples only, and reads translate them (``read_slices``)
     keep: tuple[tuple[int, ...], ...] | None = None
+    # `vitp decontam`'s exclusions: per shard, per kept sample, how many listed samples it stands for (those
+    # between the kept one before it and it; a shard's last kept sample also those after it). A reader
+    # counts them as ``excluded`` when it yields that sample, so an epoch counts each listed sample once
+    excluded: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -176,10 +180,31 @@ def _without_excluded(info: Info) -> Info:
         keep = tuple(tuple(i for i in range(n) if i not in gone.get((name, u), ()))
                      for u, n in zip(sp.urls, sp.lengths))
         splits[name] = dataclasses.replace(sp, num_samples=sum(map(len, keep)), lengths=tuple(map(len, keep)),
-                                           keep=keep)
+                                           keep=keep, excluded=tuple(map(_gaps, keep, sp.lengths)))
     summary = {k: v for k, v in doc.items() if k not in ("samples", "pairs")}
     cut = hashlib.sha256(json.dumps(sorted(doc["pairs"])).encode()).hexdigest()[:16]
     return dataclasses.replace(info, splits=splits, digest=f"{info.digest}-x{cut}", excluded=summary)
+
+
+def _gaps(kept: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """A shard of n samples keeping ``kept`` -> per kept sample, the left-out samples it stands for
+    (SplitInfo.excluded). A shard left out whole has no sample to count its own with."""
+    gaps = [b - a - 1 for a, b in zip((-1, *kept[:-1]), kept)]
+    if gaps:
+        gaps[-1] += n - 1 - kept[-1]
+    return tuple(gaps)
+
+
+def excluded_by_position(sp: SplitInfo) -> dict[int, int]:
+    """{split position: the left-out samples its kept sample stands for} (SplitInfo.excluded), nonzero
+    ones only: as many entries as the list has runs, whatever the split's size."""
+    if sp.excluded is None:
+        return {}
+    out, at = {}, 0
+    for gaps in sp.excluded:
+        out.update((at + j, g) for j, g in enumerate(gaps) if g)
+        at += len(gaps)
+    return out
 
 
 def _count_samples(url: str) -> int:
@@ -187,6 +212,16 @@ def _count_samples(url: str) -> int:
 
 
 # ── Raw samples out of tars (no decoding) ──────────────────────────────────────────────────────────
+EXCLUDED = "excluded"  # SkipCounts' reason for a sample of `vitp decontam`'s list: left out, not bad
+
+
+def skip_record(skipped: dict[str, int]) -> dict[str, int]:
+    """A loader's counts (reason -> n) as a training record's: ``skipped`` the bad samples, ``excluded``
+    the listed ones passed over (0 without a list)."""
+    bad = sum(v for k, v in skipped.items() if k != EXCLUDED)
+    return {"skipped": int(bad), EXCLUDED: int(skipped.get(EXCLUDED, 0))}
+
+
 class SkipCounts(dict):
     """Skip counters by reason; ``active=False`` while re-reading already-consumed samples."""
 
@@ -406,13 +441,33 @@ def kept_slice(keep: tuple[int, ...], s: int, lo: int, stop: int | None, want) -
     return s, idx[0], idx[-1] + 1, set(idx)
 
 
-def read_slices(urls, slices, counts: SkipCounts, keep=None, **kw) -> Iterator[tuple]:
+def _excluded_of(excluded, sl) -> list[int]:
+    """Per sample a kept-index slice (shard, lo, stop, want) yields, in order: how many listed samples it stands for."""
+    s, lo, stop, want = sl
+    return [excluded[s][j] for j in (range(lo, len(excluded[s]) if stop is None else stop) if want is None
+                                      else sorted(want))]
+
+
+def _counting(items: Iterator, gaps: list[int], counts: SkipCounts) -> Iterator:
+    """``items``, counting each one's left-out samples as EXCLUDED as it is yielded (when ``counts`` is
+    active then: a resumed stream does not count again what it counted before its checkpoint)."""
+    for i, x in enumerate(items):  # items drives: its end (trailing bad samples counted) runs as without
+        if i < len(gaps) and gaps[i]:
+            counts.add(EXCLUDED, gaps[i])
+        yield x
+
+
+def read_slices(urls, slices, counts: SkipCounts, keep=None, excluded=None, **kw) -> Iterator[tuple]:
     """Samples of ``slices`` = [(shard, start, stop, want)] in order (read_shard's arguments; ``kw``:
     its keywords; ``keep``: a cut split's kept indices per shard, see :class:`SplitInfo`, the slices
-    then counting kept samples). While a remote shard is consumed the next slice's stream is already
-    open and fetching its first blocks, so a reader does not wait a round trip at each shard boundary."""
+    then counting kept samples; ``excluded``: SplitInfo.excluded, counted as the samples are yielded).
+    While a remote shard is consumed the next slice's stream is already open and fetching its first
+    blocks, so a reader does not wait a round trip at each shard boundary."""
+    gaps = [None] * len(slices)
     if keep is not None:
-        slices = [x for x in (kept_slice(keep[sl[0]], *sl) for sl in slices) if x is not None]
+        pairs = [(sl, kept_slice(keep[sl[0]], *sl)) for sl in slices]
+        gaps = [_excluded_of(excluded, sl) if excluded is not None else None for sl, x in pairs if x is not None]
+        slices = [x for _, x in pairs if x is not None]
     policy, ahead = kw.get("policy"), None
     try:
         for j, (s, lo, stop, want) in enumerate(slices):
@@ -423,7 +478,8 @@ def read_slices(urls, slices, counts: SkipCounts, keep=None, **kw) -> Iterator[t
                     ahead = open_shard(urls[nxt[0]], nxt[1], policy, nxt[2])
                 except OSError:
                     ahead = None  # read_shard opens it again when its turn comes, and reports the error
-            yield from read_shard(urls[s], counts, lo, stop, want=want, opened=cur, **kw)
+            items = read_shard(urls[s], counts, lo, stop, want=want, opened=cur, **kw)
+            yield from items if gaps[j] is None else _counting(items, gaps[j], counts)
     finally:
         if ahead is not None:
             ahead.f.close()
@@ -453,4 +509,4 @@ def read_positions(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> Iterat
         want = None if hi - lo == k - j else set(local.tolist())
         slices.append((s, lo, range_stop(hi, sp.lengths[s]), want))
         j = k
-    yield from read_slices(sp.urls, slices, counts, keep=sp.keep, **kw)
+    yield from read_slices(sp.urls, slices, counts, keep=sp.keep, excluded=sp.excluded, **kw)

@@ -27,6 +27,7 @@ from typing import Protocol
 import torch
 
 from pipeline import faults
+from pipeline.data.loader import skip_record
 from pipeline.distributed import all_reduce, rank0_print, rank_world
 from pipeline.eval.task import Task
 from pipeline.train import engine as eng_lib
@@ -139,7 +140,7 @@ class TrainLog:
         record = {"loss": loss, self.task.hit: top1, "lr": lr, "grad_norm": eng_lib.grad_norm(self.engine),
                   "images_per_s": self.global_batch / dt, "step_s": dt,
                   "mfu": window_flops / max(n, 1) / dt / self.peak_flops,
-                  "data_wait": data_wait, "skipped": int(sum(self.loader.skipped.values())), **memory_gb(),
+                  "data_wait": data_wait, **skip_record(self.loader.skipped), **memory_gb(),
                   **self.loader.read_stats()}
         if drops.drop:  # the fraction this window's last step dropped (0 after train.patch_drop_until)
             record["patch_drop"] = drops.drop if drops.active(step - 1) else 0.0

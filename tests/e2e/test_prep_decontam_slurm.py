@@ -1,13 +1,17 @@
 """On the local SLURM cluster: `vitp submit prep --exclude-near` as an array writes what a single-process
-`vitp prep --exclude-near` writes, byte for byte; the test set is hashed once, by the submitter."""
+`vitp prep --exclude-near` writes, byte for byte; the test set is hashed once, by the submitter. So does
+`vitp submit decontam` of what `vitp decontam` writes; a bad test set is one line and nothing queued."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from data_prep import prep
+from data_prep.decontam import WORK_DIR, decontam
+from data_prep.schema import EXCLUDE_FILE
 from launch.jobs import read_index
 from tests.data_prep_fixtures import tree_bytes
 from tests.e2e.test_prep_store_slurm import RES, cli
@@ -28,3 +32,20 @@ def test_prep_array_with_exclude_near_matches_local_prep(slurm_cluster, sets, tm
     assert local.keys() == array.keys() and sum(n.endswith(".tar") for n in local) >= 3
     assert [n for n in local if local[n] != array[n]] == []
     assert json.loads(local["_info.json"])["decontaminated"]["rejected"] == 2
+
+
+def test_decontam_array_matches_local_decontam(slurm_cluster, sets, tmp_path):  # noqa: F811
+    prep(sets["train"], tmp_path / "local", max_samples_per_shard=3, progress=False)  # 4 shards, unchecked
+    shutil.copytree(tmp_path / "local", tmp_path / "array")
+    decontam(tmp_path / "local", [str(sets["china"]), str(sets["flower"])], None, 12)
+    jobs = [f"cluster.log_dir={tmp_path / 'jobs'}"]
+    r = cli(["submit", "decontam", tmp_path / "array", "--tasks", "3", "--exclude-near", tmp_path / "nope",
+             "--resources", RES, *jobs])
+    assert (r.returncode, r.stderr.strip()) == (2, f"error: --exclude-near {tmp_path / 'nope'}: not found")
+    assert read_index(tmp_path / "jobs") == [] and not (tmp_path / "array" / WORK_DIR).exists()
+    r = cli(["submit", "decontam", tmp_path / "array", "--tasks", "3", "--exclude-near", sets["china"],
+             "--exclude-near", sets["flower"], "--resources", RES, *jobs, "--wait"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(read_index(tmp_path / "jobs")) == 3
+    local = (tmp_path / "local" / EXCLUDE_FILE).read_bytes()
+    assert (tmp_path / "array" / EXCLUDE_FILE).read_bytes() == local and json.loads(local)["excluded"] == 2

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 from data_prep import prep, store
+from data_prep.near import distance
 from data_prep.schema import EXCLUDE_FILE
 from pipeline.data import dataset_inputs
 from pipeline.data.shards import SkipCounts, read_info, read_positions
@@ -70,8 +73,15 @@ def test_decontam_lists_the_copies_and_the_loader_skips_exactly_them(sets, tmp_p
 def test_bad_input_is_one_line_and_writes_nothing(sets, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     prep(sets["train"], out, **KW)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "x.jpg").write_bytes(b"not an image")
+    (tmp_path / "m.csv").write_text("path,label\nchina/china.jpg,a\nnope.jpg,a\n")
     cases = [
         (["--exclude-near", tmp_path / "nope"], f"error: --exclude-near {tmp_path / 'nope'}: not found"),
+        (["--exclude-near", tmp_path / "bad"],
+         f"error: --exclude-near {tmp_path / 'bad'}/x.jpg: not a readable image (not an image format Pillow knows)"),
+        (["--exclude-near", tmp_path / "m.csv"], f"error: --exclude-near {tmp_path / 'm.csv'}: nope.jpg: not found "
+                                                "(listed there)"),
         (["--exclude-near", sets["china"], "--near-threshold", "25"],
          "error: --near-threshold: must be in 0..24; got 25"),
     ]
@@ -87,7 +97,8 @@ def test_bad_input_is_one_line_and_writes_nothing(sets, tmp_path):  # noqa: F811
     r = run_vitp("decontam", out, "--exclude-near", sets["china"])
     assert (r.returncode, r.stderr.strip()) == (2, f"error: {first}: not found: this output was prepared before "
                                                    "prep stored signatures; run the same `vitp prep` again (it "
-                                                   "remakes the shards without them)"), r.stderr
+                                                   "remakes the shards without them) or pass --rehash (decodes "
+                                                   "each such shard once)"), r.stderr
     assert not (out / EXCLUDE_FILE).exists()
     # as it says: the rerun remakes that shard alone, and then decontam runs
     again = prep(sets["train"], out, **KW)
@@ -105,3 +116,43 @@ def test_an_s3_output(sets, s3_bucket, tmp_path):  # noqa: F811
     doc = json.loads(store.read_file(out, EXCLUDE_FILE))
     assert [x["split"] for x in doc["samples"]] == ["train"]
     assert read_info(out).splits["train"].num_samples == 9
+
+
+def test_rehash_makes_the_missing_signatures_and_finds_the_same_copies(sets, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    prep(sets["train"], out, **KW)
+    near = ["--exclude-near", sets["china"], "--exclude-near", sets["flower"]]
+    assert run_vitp("decontam", out, *near).returncode == 0
+    stored = {p.name: np.load(p) for p in sorted(out.glob("*_sig.npz"))}
+    listed = json.loads((out / EXCLUDE_FILE).read_text())
+    for p in out.glob("*_sig.npz"):  # as an output from before prep stored signatures
+        p.unlink()
+    (out / EXCLUDE_FILE).unlink()
+    r = run_vitp("decontam", out, *near, "--rehash")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("vitp decontam: 2 samples excluded ("), r.stdout
+    again = json.loads((out / EXCLUDE_FILE).read_text())
+    assert [(s["shard"], s["index"], s["key"], s["of"]) for s in again["samples"]] == \
+        [(s["shard"], s["index"], s["key"], s["of"]) for s in listed["samples"]]
+    # each shard's signatures again, same keys in the same order; the hashes of the stored (decoded
+    # JPEG) pixels within a few bits of those prep took before encoding, the thumbnails a few levels
+    remade = {p.name: np.load(p) for p in sorted(out.glob("*_sig.npz"))}
+    assert remade.keys() == stored.keys() and len(remade) == 3
+    for name, z in remade.items():
+        assert list(z["key"]) == list(stored[name]["key"])
+        assert max(distance(int(a), int(b)) for a, b in zip(z["hash"], stored[name]["hash"])) <= 4
+        assert np.abs(z["thumb"].astype(int) - stored[name]["thumb"]).mean() < 2
+    # now an output like any other: a rerun without --rehash changes nothing
+    before = (out / EXCLUDE_FILE).read_bytes()
+    assert run_vitp("decontam", out, *near).returncode == 0
+    assert (out / EXCLUDE_FILE).read_bytes() == before
+
+
+def test_an_http_output_is_one_line_and_nothing_read(sets, tmp_path, http_folder):  # noqa: F811
+    out = tmp_path / "out"
+    prep(sets["train"], out, **KW)
+    base = http_folder(tmp_path)
+    r = run_vitp("decontam", f"{base}/out", "--exclude-near", sets["china"])
+    assert (r.returncode, r.stderr.strip()) == (2, f"error: vitp decontam: {base}/out: http(s) addresses are "
+                                                   "read-only; write to a folder, s3:// or gs:// (and serve that)")
+    assert not (out / EXCLUDE_FILE).exists()

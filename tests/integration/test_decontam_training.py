@@ -1,6 +1,6 @@
 """Training over a prep output that `vitp decontam` checked after the fact: the run's epochs are the cut
 split's (the listed samples are never read), and SIGKILL of a rank mid-epoch then resume gives the
-uninterrupted run's losses and weights exactly (2 ranks, 2 loader workers each)."""
+uninterrupted run's losses, weights and `excluded` counts exactly (2 ranks, 2 loader workers each)."""
 
 from __future__ import annotations
 
@@ -71,3 +71,8 @@ def test_kill_and_resume_over_the_cut_split_is_bit_exact(tiny_reference, cut_sha
     assert [r["step"] for r in metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
     assert losses(tmp_path) == losses(ref)
     assert_same_weights(tmp_path, ref)
+    # the records count rank 0's left-out samples beside the bad ones: the resumed run carries the count
+    # on from its checkpoint, step for step as the uninterrupted run counted them
+    counted = [(r["step"], r["skipped"], r["excluded"]) for r in metrics(ref) if "loss" in r]
+    assert [(r["step"], r["skipped"], r["excluded"]) for r in metrics(tmp_path) if "loss" in r] == counted
+    assert counted[-1][1] == 0 and 0 < counted[-1][2] <= 16  # 8 listed, 1.5 epochs

@@ -1,14 +1,18 @@
 """The suite's `decontaminated` column (launch/suite_decontam.py): from the checkpoint's manifest to the
 pre-training data, and from its `_info.json` (`vitp prep --exclude-near`) and `_exclude.json` (`vitp
-decontam`) to each suite dataset's test split: checked, not checked, or not known."""
+decontam`) to each suite dataset's test split: checked, not checked, or not known; in the tables and as
+a tag on the suite's MLflow parent run."""
 
 from __future__ import annotations
 
 import csv
 import json
+import uuid
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
+import yaml
 
 from data_prep import prep
 from data_prep.decontam import decontam
@@ -32,7 +36,9 @@ def _prepped(tmp_path, name: str, seed: int):
     return tmp_path / name
 
 
-def test_checked_unchecked_and_unknown_test_splits(tmp_path):
+def _pretrained(tmp_path):
+    """(pets, cifar, pre, ck): two test sets; a pre-training prep output checked against pets' test
+    split; a checkpoint (its manifest) of a run over it."""
     pets, cifar = _prepped(tmp_path, "pets", 1), _prepped(tmp_path, "cifar", 2)
     train = tmp_path / "train_src" / "a"
     train.mkdir(parents=True)
@@ -44,6 +50,11 @@ def test_checked_unchecked_and_unknown_test_splits(tmp_path):
     ck = tmp_path / "run" / "step-2"
     ck.mkdir(parents=True)
     (ck / "manifest.json").write_text(json.dumps({"step": 2, "config": {"data.path": str(pre)}}))
+    return pets, cifar, pre, ck
+
+
+def test_checked_unchecked_and_unknown_test_splits(tmp_path):
+    pets, cifar, pre, ck = _pretrained(tmp_path)
     ds = [SimpleNamespace(name="pets", data=str(pets), test_split="test"),
           SimpleNamespace(name="pets_val", data=str(pets), test_split="val"),
           SimpleNamespace(name="cifar", data=str(cifar), test_split="test")]
@@ -72,3 +83,24 @@ def test_the_tables_carry_the_column(tmp_path):
         r["decontaminated"] = ""
     write_tables(tmp_path, rows)  # not known: the markdown as before
     assert (tmp_path / "suite.md").read_text().splitlines()[0] == f"| dataset | {tmp_path.name} |"
+
+
+@pytest.mark.mlflow_server
+def test_the_mlflow_parent_is_tagged(mlflow_server, tmp_path):
+    """The suite's parent run says which datasets' test splits the pre-training data was checked against."""
+    from launch.suite import Suite
+    from launch.suite_mlflow import open_parent
+    from tests.integration.test_mlflow_runs import run_of
+    from tests.integration.test_suite import ROOT
+
+    pets, cifar, _, ck = _pretrained(tmp_path)
+    spec = yaml.safe_load((ROOT / "configs/suite/tiny.yaml").read_text())
+    spec.update(transfer_config=str(ROOT / spec["transfer_config"]),
+                datasets=[{"name": "pets", "data": str(pets)}, {"name": "cifar", "data": str(cifar)}])
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    suite = Suite(str(tmp_path / "s.yaml"), [f"init.from={ck}", f"run.dir={tmp_path / 'out'}",
+                                             f"tracking.uri={mlflow_server}",
+                                             f"tracking.experiment=suite-{uuid.uuid4().hex[:10]}"])
+    sink = open_parent(suite)
+    sink.close(status="FINISHED")
+    assert run_of(mlflow_server, sink.run_id)["tags"]["vitp.decontaminated"] == "pets=yes,cifar=no"

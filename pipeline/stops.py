@@ -4,6 +4,7 @@ Standard library only, on the ground floor: the training loop, the test-fault se
 launch/ all read it, so a new fault behaviour adds a word here and a branch in one decision below.
 
     Stop       why a run stopped early (the stop request, ``Result.reason``, the job's stop_reason)
+    Status     how a stage's call ended (``Result.status``, result.json's "status")
     Outcome    how one attempt of a SLURM job ended (the "event" of its line in events.jsonl)
     Next       what the attempt does next: requeue, fail, or end for good
     Classified the mixin of the project's errors: their exit code and whether a retry could help
@@ -27,6 +28,11 @@ class Stop(_Word):
     PREEMPT = "preempt"  # TERM while RUNNING with a PreemptTime (PreemptMode=REQUEUE): saved, requeued
     TIME_LIMIT = "time_limit"  # TERM at the time limit itself: saved, ends
     LOST = "lost"  # TERM after SLURM requeued the job itself (a node of it failed): saved where it can
+
+
+class Status(_Word):
+    COMPLETED = "completed"  # the stage ran to its end
+    STOPPED = "stopped"  # asked to stop (a Stop): every rank saved; the job's stop_reason says why
 
 
 class Outcome(_Word):

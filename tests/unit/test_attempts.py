@@ -120,7 +120,7 @@ def test_an_out_of_memory_rank_is_requeued_with_half_the_micro_batch_until_it_ca
     spending cluster.max_failures=0), the next attempt's job body reads it back; at 1 the job fails."""
     import torch
 
-    from launch.preempt import write_error
+    from pipeline.error_record import write_error
     from pipeline.stops import after_oom, micro_batch_now, out_of_memory
 
     assert out_of_memory(torch.OutOfMemoryError("x")) and out_of_memory(torch.cuda.OutOfMemoryError("x"))

@@ -45,7 +45,7 @@ LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data
            "pipeline.tracking")
 GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeline.model", "pipeline.files",
           "pipeline.driver", "pipeline.secrets", "pipeline.rundir", "pipeline.threads", "pipeline.stops",
-          "pipeline.slurm", "pipeline.hang")
+          "pipeline.slurm", "pipeline.hang", "pipeline.error_record")
 # faults is a library module (its pause gate reads the stop request, pipeline.stops) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
 DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults", "pipeline.stops", "pipeline.config.prep"}

@@ -24,10 +24,10 @@ from launch.attempts import (
 )
 from launch.jobs import append_index, read_index
 from launch.nodes import Fault, carry_over, error_fault, find_fault, leave_out, nodes_left_problem, partition_nodes
-from launch.preempt import error_line
 from launch.submit import load_submit_config, slurm_parameters
 from pipeline import faults, slurm, stops
 from pipeline.config import ConfigError
+from pipeline.error_record import error_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")

@@ -24,7 +24,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from pipeline.stops import Classified
+from pipeline.errors import Classified
 
 from . import store
 from .images import ImageOptions

@@ -15,7 +15,7 @@ in the job folder's ``events.jsonl``, which survives requeues because the folder
     {"event": "time_limit", ...}                           TERM at the time limit itself: saved, ends
     {"event": "completed", "restart": 3, "step": 24, ...}
 
-The ranks write the first two and the last two themselves (launch/preempt.py). A rank that is
+The ranks write the first two and the last two themselves (launch/job_body.py). A rank that is
 SIGKILLed (the OOM killer, a segfault, a lost node) cannot write anything, so "failed" is written by
 the batch script after ``srun`` returns (:func:`end_of_attempt`, the sbatch teardown): srun runs with
 ``--kill-on-bad-exit=1``, so the first task that dies ends the step at once, whichever rank it was,
@@ -167,7 +167,7 @@ def job_folder_name(environ: dict | None = None) -> str:
     return env["SLURM_JOB_ID"]
 
 
-_RANK_START = re.compile(r"^vitp: \S+ rank \d+/\d+ .* restart (\d+)$", re.M)  # launch/preempt.py's first line
+_RANK_START = re.compile(r"^vitp: \S+ rank \d+/\d+ .* restart (\d+)$", re.M)  # launch/job_body.py's first line
 
 
 def _rank_log(folder: Path, name: str, rank, restart: int) -> str:

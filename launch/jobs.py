@@ -3,7 +3,7 @@
 Every submission appends one line to ``<cluster.log_dir>/index.jsonl`` (job id, stage, folder,
 executor, run dir, sweep id). A job's state comes from SLURM (squeue keeps finished jobs for
 MinJobAge; sacct when accounting exists); submitit's own watcher needs sacct, which small clusters
-often lack. The job's result.json (written by rank 0, see launch/preempt.py) says how it ended, or
+often lack. The job's result.json (written by rank 0, see launch/job_body.py) says how it ended, or
 its error records (pipeline/error_record.py) say which error ended it; a job that left neither and
 that no scheduler lists any more was killed. events.jsonl has one line per attempt (launch/attempts.py):
 `vitp jobs` lists them under a job that ran more than once or did not simply complete.
@@ -289,7 +289,7 @@ def cancel_main(argv: list[str]) -> int:
                 print_error(f"cancel {jid}: {e}")
                 rc = 1
             continue
-        try:  # read at SIGTERM time: this TERM is a cancel, whatever else SLURM says (launch/preempt.py)
+        try:  # read at SIGTERM time: this TERM is a cancel, whatever else SLURM says (launch/job_body.py)
             (Path(entry["folder"]) / "cancel-requested").write_text(f"{time.time()}\n")
         except OSError:
             pass  # the job folder is gone or not writable; SLURM's state tells a cancel apart too

@@ -21,7 +21,7 @@ from pipeline.stops import Status
 
 def stop_on_term() -> None:
     """SIGTERM asks for a checkpoint at the next step boundary, as scancel does under SLURM
-    (launch/preempt.py, which installs its own). It reaches a local or torchrun rank from a user's
+    (launch/job_body.py, which installs its own). It reaches a local or torchrun rank from a user's
     kill, torchrun's agent, or the launcher stopping the ranks after one of them died: such a rank then
     fails in its next collective and, on the way out, still delivers or spools the tracking records it
     holds, which the default action (die at once) lost."""

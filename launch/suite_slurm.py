@@ -50,8 +50,8 @@ def check_not_running(suite, log_dir: str) -> None:
 def submit_suite(argv: list[str]) -> int:
     from pipeline.config import to_dict
 
+    from .job_body import StageJob
     from .jobs import outcome, wait
-    from .preempt import StageJob
     from .submit import check_cluster, check_run_dir, check_tracking, default_cluster, same_job, submit_jobs
     from .suite import OK, Suite, finish_if_done, summary
     from .suite_mlflow import open_parent

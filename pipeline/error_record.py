@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import slurm, stops
+from pipeline import errors, slurm, stops
 from pipeline.files import write_json
 
 NAME = "error.{rank}.json"
@@ -54,7 +54,7 @@ def write_error(folder: str | os.PathLike, rank: int, e: BaseException, micro_ba
     from pipeline.secrets import redact  # an error text may quote a URI with its credentials
 
     oom = {"oom": True, "micro_batch": micro_batch} if stops.out_of_memory(e) and micro_batch else {}
-    write(folder, rank, redact(error_line(e)), retry=stops.retried(e), **oom)
+    write(folder, rank, redact(error_line(e)), retry=errors.retried(e), **oom)
 
 
 def read(folder: str | os.PathLike, restart: int | None = None) -> list[dict]:

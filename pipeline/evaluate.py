@@ -27,7 +27,7 @@ from pipeline.config import ConfigError, EvalConfig, flatten
 from pipeline.data import DataError, dataset_inputs, minival_source, read_info
 from pipeline.distributed import comm_device, rank_world, setup
 from pipeline.eval import evaluators as evals
-from pipeline.eval.classify import write_results
+from pipeline.eval.loop import write_results
 from pipeline.eval.task import Task
 from pipeline.stops import Status
 from pipeline.tracking import Sinks

@@ -133,7 +133,7 @@ def _fire(folder: Path, rank: int, idle: float, stuck_in: str, waiting: bool) ->
 
 
 def _dump_flight_recorder(folder: Path, rank: int) -> None:
-    """NCCL's flight recorder, where it records (launch/preempt.py nccl_debug_env turns it on)."""
+    """NCCL's flight recorder, where it records (launch/job_body.py nccl_debug_env turns it on)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_initialized() or torch.distributed.get_backend() != "nccl":
         return

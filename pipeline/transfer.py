@@ -22,7 +22,7 @@ from pipeline.config import Config, ConfigError, EvalEntry
 from pipeline.data import check_splits, minival_source, read_info
 from pipeline.distributed import rank0_print, setup
 from pipeline.eval import evaluators as evals
-from pipeline.eval.classify import write_results
+from pipeline.eval.loop import write_results
 from pipeline.eval.task import Task
 from pipeline.rundir import own_run_dir
 from pipeline.stops import Status

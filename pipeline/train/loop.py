@@ -39,8 +39,8 @@ import torch
 
 from pipeline import faults, hang, stops
 from pipeline.distributed import all_reduce, rank0_print, wait_for_rank0
+from pipeline.errors import Classified
 from pipeline.eval.figures import loss_curve_png
-from pipeline.stops import Classified
 from pipeline.tracking import Sinks
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib

@@ -19,10 +19,10 @@ from launch.attempts import (
     first_dead_task,
     read_events,
 )
-from launch.preempt import nccl_debug_env, term_cause
+from launch.job_body import nccl_debug_env, term_cause
 from launch.submit import load_submit_config, slurm_parameters
+from pipeline.errors import retried
 from pipeline.slurm import parse_term_cause
-from pipeline.stops import retried
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")

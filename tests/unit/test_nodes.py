@@ -75,7 +75,7 @@ def test_the_fault_seam_raises_a_cuda_error_on_the_chosen_node_on_the_first_atte
     faults.hit("step", 2)  # another step: nothing
     with pytest.raises(RuntimeError) as e:
         faults.hit("step", 3)
-    assert error_fault(error_line(e.value)) == "CUDA error"  # the record launch/preempt.py writes of it
+    assert error_fault(error_line(e.value)) == "CUDA error"  # the record launch/job_body.py writes of it
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     faults.hit("step", 3)  # the requeued attempt runs through
 

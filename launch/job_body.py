@@ -44,6 +44,7 @@ from launch.attempts import append_event, count, read_events
 from pipeline import faults, hang, slurm, stops
 from pipeline.distributed import DistEnv, export_env, leave_process_group, setup
 from pipeline.error_record import write_error
+from pipeline.errors import Classified
 from pipeline.files import write_json
 from pipeline.network import rendezvous_port
 from pipeline.stops import Next, Outcome, Status, Stop
@@ -54,7 +55,7 @@ STAGE_TARGETS = {
     "pretrain": "pipeline.pretrain:pretrain",
     "transfer": "pipeline.transfer:transfer",
     "eval": "pipeline.evaluate:evaluate",
-    "prep": "launch.preempt:run_prep",
+    "prep": "launch.job_body:run_prep",
 }
 
 
@@ -68,7 +69,7 @@ def stage_schema(stage: str):
 CANCEL_MARK = "cancel-requested"  # written by `vitp cancel` before scancel
 
 
-class RequeueLimitError(stops.Classified, RuntimeError):
+class RequeueLimitError(Classified, RuntimeError):
     """Stopped for a requeue, but cluster.max_requeues is used up."""
 
     retry = False

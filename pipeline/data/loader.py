@@ -399,6 +399,12 @@ class ShardSource(ClassLoaders, DataSource):
         if store.is_remote(self.path):
             store.check_readable(store.join(self.path, INFO_FILE), key)
 
+    def checked_against(self) -> list[tuple[str, list[str] | None]]:
+        """Prep's record (``_info.json``'s ``decontaminated``) and `vitp decontam`'s (``_exclude.json``)."""
+        info = self.read_info()
+        return [(a["address"].rstrip("/"), block.get("splits"))
+                for block in (info.decontaminated, info.excluded) if block for a in block.get("against", [])]
+
     def split_sizes(self) -> dict[str, int]:
         """Shards per split, from ``_info.json`` alone (no shard is listed or counted)."""
         from .shards import DataError, info_file, read_description

@@ -29,7 +29,7 @@ from bench.prep import make_dataset  # noqa: E402
 from data_prep import prep  # noqa: E402
 from pipeline.config import DataCfg  # noqa: E402
 from pipeline.data.loader import EvalLoader, normalize  # noqa: E402
-from pipeline.eval.classify import classify  # noqa: E402
+from pipeline.eval.loop import classify  # noqa: E402
 from pipeline.model import build_vit  # noqa: E402
 
 

@@ -30,11 +30,12 @@ from pipeline.config.prep import DEFAULT_MAX_SAMPLES_PER_SHARD, PrepCfg, prep_cf
 
 from . import store
 from .contact import write_sheet
-from .images import DEFAULT_MAX_BYTES, NEAR_DUPLICATE, ImageOptions
+from .images import NEAR_DUPLICATE, ImageOptions
 from .plan import (
     load_plan,
     make_plan,
     plan_digest,
+    plan_options,
     plan_rejects,
     plan_request,
     planned_batches,
@@ -87,12 +88,8 @@ def prep(
         out = str(out).rstrip("/")
     else:
         out = Path(out)
-    opts = ImageOptions(cfg.resize_shorter, cfg.resize_longer, cfg.quality, cfg.min_size, cfg.max_pixels,
-                        DEFAULT_MAX_BYTES, cfg.keep_original)
+    opts = ImageOptions.of(cfg)
     workers = cfg.workers
-    kwargs = dict(seed=cfg.seed, val_fraction=cfg.val_fraction, max_samples_per_shard=cfg.samples_cap,
-                  shard_size_bytes=cfg.shard_size, image_options=opts.as_dict(), do_dedup=cfg.dedup)
-    listing_args = (source, cfg.classes, cfg.path_column, cfg.label_column, cfg.split_column, cfg.labels_column)
     array_task = shard_range not in (None, (0, 0))
     if not Path(source).exists():  # before OUT is made, as every input mistake
         raise FileNotFoundError(f"{source}: no such directory or manifest")
@@ -101,10 +98,10 @@ def prep(
         out.mkdir(parents=True, exist_ok=True)
     # an array task (a shard range) reuses the plan its submitter stored for this very request, and
     # so never lists the source; a whole run, or the submitter (0:0), plans and checks it against OUT's
-    request = {**plan_request(*listing_args, **kwargs), **({"decontaminated": near[2]} if near else {})}
+    request = {**plan_request(source, cfg), **({"decontaminated": near[2]} if near else {})}
     index = reusable_plan(out, request) if array_task else None
     if index is None:
-        index = _plan(out, listing_args, kwargs, workers, near)
+        index = _plan(out, source, cfg, near)
         if near:  # once the plan is OUT's: what every worker and array task of it reads
             write_index(out, *near)
     plan_id = plan_digest(index)
@@ -172,13 +169,15 @@ def _settings(block: dict) -> dict:
             "threshold": block["threshold"]}
 
 
-def _plan(out: Path, listing_args: tuple, kwargs: dict, workers: int, near: tuple | None) -> dict:
+def _plan(out: Path, source, cfg: PrepCfg, near: tuple | None) -> dict:
     """List and plan the source in bounded memory (spilling to a temporary folder), store the plan in OUT."""
-    listing = open_source(*listing_args, sizes=bool(kwargs["shard_size_bytes"]))
-    request = {**plan_request(*listing_args, **kwargs), **({"decontaminated": near[2]} if near else {})}
+    listing = open_source(source, cfg.classes, path_column=cfg.path_column, label_column=cfg.label_column,
+                          split_column=cfg.split_column, labels_column=cfg.labels_column, sizes=bool(cfg.shard_size))
+    request = {**plan_request(source, cfg), **({"decontaminated": near[2]} if near else {})}
+    kwargs = plan_options(cfg)
     with tempfile.TemporaryDirectory(prefix="vitp-plan-") as scratch:
-        if kwargs["do_dedup"] and workers > 1:
-            with ProcessPoolExecutor(workers, mp_context=get_context("fork")) as ex:
+        if cfg.dedup and cfg.workers > 1:
+            with ProcessPoolExecutor(cfg.workers, mp_context=get_context("fork")) as ex:
                 index = make_plan(listing, scratch, map_fn=lambda f, xs: ex.map(f, xs, chunksize=64),
                                   request=request, **kwargs)
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import sys
@@ -49,11 +50,17 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def parse_part_size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"--part-size {text!r}: expected a size like 64MiB") from None
+@functools.cache
+def size_option(option: str):
+    """The argparse type of the byte-size flag ``option``: :func:`parse_size`, its mistake naming ``option``
+    (one function per flag, so both commands' flags hold the same one)."""
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{option} {text!r}: expected a size like 500MB, 1GiB or 1000000") \
+                from None
+    return parse
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -74,50 +81,29 @@ class Renamed(argparse.Action):
         raise ValueError(f"{option_string}: renamed; use {self.new}")
 
 
-# every option both `vitp prep` and `vitp submit prep` take (field of pipeline.config.PrepCfg -> --field-name)
+_TYPES = {"text": None, "int": int, "float": float}
+
+
 def add_prep_options(p: argparse.ArgumentParser) -> None:
-    """The options of pipeline.config.PrepCfg, the same on both commands; defaults None where the schema
-    holds the default (so one place says it)."""
-    p.add_argument("--seed", type=int, help="global shuffle seed (default 0)")
-    p.add_argument("--val-fraction", type=float, help="stratified val split fraction, e.g. 0.01 (default 0)")
-    p.add_argument("--split-column", help="manifest column naming each row's split (instead of --val-fraction)")
-    p.add_argument("--path-column", help="manifest path column (default path)")
-    p.add_argument("--label-column", help="manifest label column (default label)")
-    p.add_argument("--labels-column",
-                   help="manifest column of several labels per image; its presence makes the data multi-label "
-                        "(default labels)")
-    p.add_argument("--classes", help="class names in index order: .json list or text file, one per line "
-                                     "(default: sorted names)")
-    p.add_argument("--shard-size", type=parse_size, help="max source bytes per shard, e.g. 500MB")
-    p.add_argument("--max-samples-per-shard", type=int,
-                   help="max samples per shard (default 5000 unless --shard-size is given)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--resize-shorter", type=int, help="shrink so the shorter side is N (never enlarges)")
-    g.add_argument("--resize-longer", type=int, help="shrink so the longer side is N (never enlarges)")
-    p.add_argument("--quality", type=int, help="JPEG quality of re-encoded images, 1-100 (default 90)")
-    p.add_argument("--min-size", type=int, help="reject images with a side below N px (default 16)")
-    p.add_argument("--max-pixels", type=int,
-                   help="reject larger images before decoding (decompression bombs; default 89478485)")
-    p.add_argument("--no-keep-original", dest="keep_original", action="store_false", default=None,
-                   help="always re-encode as JPEG (default: keep RGB JPEG/PNG/WebP bytes that need no change)")
-    p.add_argument("--dedup", action="store_true", default=None,
-                   help="reject files whose bytes equal an earlier file's")
-    p.add_argument("--workers", type=int, help="worker processes (default 1)")
-    p.add_argument("--staging-dir", help="OUT in an object store: local folder where finished shards wait for "
-                                         "their upload, a few at a time (default: the system temp folder)")
-    p.add_argument("--part-size", type=parse_part_size,
-                   help="OUT in an object store: multipart upload part size, at least 5MiB (default 64MiB)")
-    p.add_argument("--exclude-near", action="append", metavar="TEST",
-                   help="a downstream test set (image folder, manifest, or a `vitp prep` output; any address): "
-                        "training images that are near-duplicates of its images are not written (rejects.jsonl: "
-                        "near_duplicate); repeatable")
-    p.add_argument("--exclude-near-splits", metavar="SPLITS",
-                   help="of a prep output given to --exclude-near, these splits, e.g. test,val "
-                        "(default: its test split if it has one, else every split)")
-    p.add_argument("--near-threshold", type=int, metavar="D",
-                   help="near-duplicate candidate: at most D of the 64 bits of the perceptual hash differ "
-                        "(Hamming distance, 0-24; default 12, measured in the README's table); each candidate "
-                        "is then checked with thumbnails")
+    """A flag for every field of pipeline.config.PrepCfg, made from the field (its flag, kind, --help
+    text): the same on both commands. Defaults stay None: the schema fills in what was not given."""
+    from pipeline.config.prep import PrepCfg, flag
+
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for name, field in PrepCfg.model_fields.items():
+        cli = field.json_schema_extra["cli"]
+        kind, option = cli["kind"], cli["flag"] or flag(name)
+        if cli["group"] and cli["group"] not in groups:
+            groups[cli["group"]] = p.add_mutually_exclusive_group()
+        into = groups[cli["group"]] if cli["group"] else p
+        kw = {"help": field.description, **({"metavar": cli["metavar"]} if cli["metavar"] else {})}
+        if kind in ("on", "off"):
+            into.add_argument(option, dest=name, action="store_true" if kind == "on" else "store_false",
+                              default=None, **kw)
+        elif kind == "list":
+            into.add_argument(option, dest=name, action="append", **kw)
+        else:
+            into.add_argument(option, dest=name, type=size_option(option) if kind == "size" else _TYPES[kind], **kw)
     p.add_argument("--shard-size-mb", action=Renamed, new="--shard-size 500MB (bytes with a unit)")
 
 

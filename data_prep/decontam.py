@@ -14,7 +14,7 @@ and writes its ``_sig.npz`` (the signature of the stored pixels: a re-encoded JP
 moves a thumbnail by a grey level or so); without it, one line saying so, before anything is written.
 
 In steps, so that `vitp submit decontam` runs the middle one as a SLURM array over shard ranges
-(launch/preempt.py: run_decontam): ``plan`` (checks, and the test sets' index), ``check_shards`` (one
+(launch/job_body.py: run_decontam): ``plan`` (checks, and the test sets' index), ``check_shards`` (one
 range's excluded samples, a ``part``), ``write_exclusions`` (the parts merged into the file). The
 array's submitter stores the index under ``OUT/_decontam/<request>/`` (``submit_plan``), each task its
 part there (``run_part``), and the task that finds every part written merges them: the same bytes as
@@ -138,7 +138,7 @@ def decontam(out: str | os.PathLike, test_sets: list[str], splits: list[str] | N
 
 
 # --------------------------------------------------------------------------------------------------
-# The array's files (launch/preempt.py: run_decontam)
+# The array's files (launch/job_body.py: run_decontam)
 # --------------------------------------------------------------------------------------------------
 def request_id(block: dict, ranges: list) -> str:
     """Names one array request's parts: the test sets' block (addresses, digests, threshold) and the

@@ -21,6 +21,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image, UnidentifiedImageError
 
+from pipeline.config.prep import PrepCfg
+
 from .near import signature as near_signature
 
 # Reject reasons (the `reason` field of rejects.jsonl).
@@ -29,8 +31,6 @@ TOO_SMALL, TOO_LARGE = "too_small", "too_large"
 UNREADABLE, MISSING, SYMLINK_LOOP = "unreadable", "missing", "symlink_loop"
 NEAR_DUPLICATE = "near_duplicate"  # of a test image (`vitp prep --exclude-near`; data_prep/near.py)
 
-# PIL's own default limit: larger images are almost always decompression bombs.
-DEFAULT_MAX_PIXELS = 89_478_485
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 _EXIF_ORIENTATION = 0x0112
 _KEEPABLE = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
@@ -44,15 +44,25 @@ class Reject(Exception):
         self.reason, self.detail = reason, detail
 
 
+_PREP = PrepCfg.model_fields  # the defaults are prep's schema's
+
+
 @dataclass(frozen=True)
 class ImageOptions:
+    """How prep stores each image: of prep's options (:meth:`of`), plus the byte cap a file is read up to."""
+
     resize_shorter: int | None = None
     resize_longer: int | None = None
-    quality: int = 90
-    min_size: int = 16
-    max_pixels: int = DEFAULT_MAX_PIXELS
+    quality: int = _PREP["quality"].default
+    min_size: int = _PREP["min_size"].default
+    max_pixels: int = _PREP["max_pixels"].default  # PIL's own limit: larger ones are decompression bombs
     max_bytes: int = DEFAULT_MAX_BYTES
-    keep_original: bool = True
+    keep_original: bool = _PREP["keep_original"].default
+
+    @classmethod
+    def of(cls, cfg: PrepCfg) -> ImageOptions:
+        return cls(resize_shorter=cfg.resize_shorter, resize_longer=cfg.resize_longer, quality=cfg.quality,
+                   min_size=cfg.min_size, max_pixels=cfg.max_pixels, keep_original=cfg.keep_original)
 
     def __post_init__(self):
         if self.resize_shorter and self.resize_longer:

@@ -398,18 +398,26 @@ def load_plan(out: str | os.PathLike) -> dict:
     return index
 
 
-def plan_request(source, classes, path_column: str, label_column: str, split_column: str | None,
-                 labels_column: str, **options) -> dict:
+def plan_options(cfg) -> dict:
+    """What cuts a plan, of prep's options (``cfg``: pipeline.config.PrepCfg): make_plan's keywords."""
+    from .images import ImageOptions
+
+    return {"seed": cfg.seed, "val_fraction": cfg.val_fraction, "max_samples_per_shard": cfg.samples_cap,
+            "shard_size_bytes": cfg.shard_size, "image_options": ImageOptions.of(cfg).as_dict(), "do_dedup": cfg.dedup}
+
+
+def plan_request(source, cfg) -> dict:
     """What a plan was made for: the source (where, and its size and change time), columns and options.
 
     A task that finds the same request in OUT's index reuses that plan without listing the source. An
     ImageFolder's change time is its top folder's: a file added deeper is seen by a whole run (which
-    always plans again and compares), not by an array task."""
+    always plans again and compares), not by an array task. ``cfg``: pipeline.config.PrepCfg."""
     p = Path(source).resolve()  # the submitter and its tasks may spell the same path differently
     st = p.stat()
-    names = load_classes(classes)
+    names = load_classes(cfg.classes)
+    options = plan_options(cfg)
     return {"source": str(p), "size": st.st_size if p.is_file() else None, "mtime_ns": st.st_mtime_ns,
-            "classes": names, "columns": [path_column, label_column, split_column, labels_column],
+            "classes": names, "columns": [cfg.path_column, cfg.label_column, cfg.split_column, cfg.labels_column],
             **{k: options[k] for k in sorted(options)}}
 
 

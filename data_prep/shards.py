@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from pipeline import faults
+from pipeline.errors import Classified
 from pipeline.files import atomic_write
-from pipeline.stops import Classified
 
 from .images import NEAR_DUPLICATE, ImageOptions, Reject, init_worker, process_image
 from .near import THUMB_BYTES

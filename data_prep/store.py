@@ -272,7 +272,6 @@ def _probe_http(url: str, timeout_s: float = 30) -> None:
 # the finished file; nothing is ever written under a final name while it is incomplete.
 
 MIN_PART_SIZE = 5 * 2**20  # S3's smallest multipart part (all but the last)
-DEFAULT_PART_SIZE = 64 * 2**20
 
 
 def check_writable(address: str | os.PathLike, what: str) -> None:
@@ -318,7 +317,7 @@ def write_bytes(address: str | os.PathLike, data: bytes) -> None:
         raise AddressError(f"{public(address)}: cannot write: {reason(e)}") from None
 
 
-def put_file(local: str | os.PathLike, address: str | os.PathLike, part_size: int = DEFAULT_PART_SIZE) -> None:
+def put_file(local: str | os.PathLike, address: str | os.PathLike, part_size: int) -> None:
     """Upload the local file ``local`` as the object ``address``: one PUT below two parts, else a
     multipart upload of ``part_size`` parts, which the store publishes only when it completes (and
     s3fs aborts when a part fails)."""

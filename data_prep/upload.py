@@ -24,7 +24,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from pipeline.stops import Classified
+from pipeline.errors import Classified
 
 from . import store
 from .images import ImageOptions
@@ -74,8 +74,7 @@ def complete_shards(out: str | os.PathLike, shards: list[dict], plan_id: str, *,
 
 
 def write_to_store(out: str, root: str, opts: ImageOptions, shards: list[dict], plan_id: str, workers: int,
-                   progress: bool, staging: str | os.PathLike | None = None,
-                   part_size: int = store.DEFAULT_PART_SIZE) -> list[dict]:
+                   progress: bool, staging: str | os.PathLike | None, part_size: int) -> list[dict]:
     """Make ``shards`` in a fresh folder under ``staging`` and upload each when complete; returns their
     stats. The staging folder is removed at the end (a killed run leaves it in the temp folder)."""
     base = Path(staging or default_staging())

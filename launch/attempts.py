@@ -15,7 +15,7 @@ in the job folder's ``events.jsonl``, which survives requeues because the folder
     {"event": "time_limit", ...}                           TERM at the time limit itself: saved, ends
     {"event": "completed", "restart": 3, "step": 24, ...}
 
-The ranks write the first two and the last two themselves (launch/preempt.py). A rank that is
+The ranks write the first two and the last two themselves (launch/job_body.py). A rank that is
 SIGKILLed (the OOM killer, a segfault, a lost node) cannot write anything, so "failed" is written by
 the batch script after ``srun`` returns (:func:`end_of_attempt`, the sbatch teardown): srun runs with
 ``--kill-on-bad-exit=1``, so the first task that dies ends the step at once, whichever rank it was,
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import signal
@@ -41,7 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import slurm, stops
+from pipeline import error_record, slurm, stops
+from pipeline.config.sections import ClusterCfg
 from pipeline.files import append_jsonl, read_jsonl
 from pipeline.stops import Next, Outcome
 
@@ -52,7 +52,7 @@ ATTEMPT_MARK = "vitp: attempt {restart} of job {job} starts"  # echoed by the ba
 NODES_MARK = "vitp: attempt nodes {nodes}"  # echoed next: the allocation, for a lost batch host's attempt
 _NODES_LINE = re.compile(r"^vitp: attempt nodes (\S+)\s*$", re.M)
 MOVED_RC = 3  # start_of_attempt: requeued without a left-out node; the batch script ends without srun
-MAX_EXCLUDED = 2  # cluster.max_excluded_nodes' default: the teardown's command line names any other
+MAX_EXCLUDED = ClusterCfg.model_fields["max_excluded_nodes"].default  # the teardown's line names any other
 
 
 def append_event(folder: str | os.PathLike, event: dict) -> None:
@@ -123,25 +123,26 @@ def describe(event: dict) -> str:
     """One attempt's end for `vitp jobs`, e.g. "attempt 1: failed: rank 1 killed by SIGKILL; requeued"."""
     kind, step = event.get("event", "?"), event.get("step")
     at = f" at step {step}" if step is not None else ""
-    what = {"requeued": f"time limit near{at}: saved, requeued",
-            "preempted": f"preempted{at}: saved, requeued",
-            "cancelled": f"cancelled{at}" + (" (checkpoint saved)" if step is not None else ""),
-            "time_limit": f"time limit reached{at} (checkpoint saved; cluster.max_requeues used up?)",
-            "completed": f"completed{at}",
-            "lost": "ended and requeued by SLURM itself (no node failure seen)",
-            "moved": f"started on {event.get('node', '?')}, which the job leaves out: requeued without it"}.get(kind)
-    if kind == "failed" and event.get("fault"):  # a failure that points at its node
+    what = {Outcome.REQUEUED: f"time limit near{at}: saved, requeued",
+            Outcome.PREEMPTED: f"preempted{at}: saved, requeued",
+            Outcome.CANCELLED: f"cancelled{at}" + (" (checkpoint saved)" if step is not None else ""),
+            Outcome.TIME_LIMIT: f"time limit reached{at} (checkpoint saved; cluster.max_requeues used up?)",
+            Outcome.COMPLETED: f"completed{at}",
+            Outcome.LOST: "ended and requeued by SLURM itself (no node failure seen)",
+            Outcome.MOVED: f"started on {event.get('node', '?')}, which the job leaves out: requeued without it"
+            }.get(kind)
+    if kind == Outcome.FAILED and event.get("fault"):  # a failure that points at its node
         node = event.get("node", "?")
         what = f"failed: rank {event.get('rank', '?')} on {node}: {event['fault']}"
         what += f"; {', '.join(event['excluded'])} excluded" if event.get("excluded") else ""
         what += f"; {node} not excluded ({event['kept']})" if event.get("kept") else ""
         what += "; requeued" if event.get("requeued") else f"; not requeued ({event.get('why', 'no retry')})"
-    elif kind == "failed" and event.get("oom"):  # the micro batch it ran with, and the next one's
+    elif kind == Outcome.FAILED and event.get("oom"):  # the micro batch it ran with, and the next one's
         (had, then), rank = event.get("micro_batch") or ("?", None), event.get("rank", "?")
         what = f"out of memory on rank {rank} at train.micro_batch {had}"
         what += (f"; requeued with train.micro_batch {then} (train.global_batch kept)" if event.get("requeued")
                  else f"; not requeued ({event.get('why', 'no retry')})")
-    elif kind == "failed":
+    elif kind == Outcome.FAILED:
         what = f"failed: rank {event.get('rank', '?')}: {event.get('error', '?')}"
         what += "; requeued" if event.get("requeued") else f"; not requeued ({event.get('why', 'no retry')})"
     on = f" on {event['nodes']} of {event['of_nodes']} nodes" if event.get("of_nodes") else ""
@@ -184,23 +185,8 @@ def _tail(path: Path, limit: int = 4 << 20) -> str:
         return ""
 
 
-def _error_record(folder: Path, rank: int, restart: int) -> dict | None:
-    try:
-        rec = json.loads((folder / f"error.{rank}.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return rec if rec.get("restart", 0) == restart else None
-
-
-def _records(folder: Path, restart: int) -> list[dict]:
-    """This attempt's error records, earliest first."""
-    recs = [r for r in (_error_record(folder, int(p.name.split(".")[1]), restart)
-                        for p in folder.glob("error.*.json") if p.name.split(".")[1].isdigit()) if r]
-    return sorted(recs, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
-
-
 def _oom(rec: dict) -> dict:
-    """An error record's out-of-memory fields (launch/preempt.py's write_error): the micro batch it ran at."""
+    """An error record's out-of-memory fields (pipeline/error_record.py write_error): the micro batch it ran at."""
     return {"oom": True, "micro_batch": rec.get("micro_batch")} if rec.get("oom") else {}
 
 
@@ -208,14 +194,14 @@ def failure(folder: Path, restart: int, log_text: str, rc: int) -> dict:
     """What ended this attempt: {"rank", "error", "retry"}: a rank that hung outside any collective
     (pipeline/hang.py; the ranks waiting for it hang too), else srun's first dead task and that rank's
     error record (or, without srun's line, the earliest error record of this attempt)."""
-    recs = _records(folder, restart)
+    recs = error_record.read(folder, restart)
     stuck = [r for r in recs if r.get("hang") and not r.get("waiting")]
     if stuck:
         return {"rank": stuck[0].get("rank", "?"), "error": stuck[0].get("error"), "retry": True}
     dead = first_dead_task(log_text)
     if dead is not None:
         rank, how = dead
-        rec = _error_record(folder, rank, restart)
+        rec = next((r for r in recs if r.get("rank") == rank), None)
         if rec is not None:
             return {"rank": rank, "error": rec.get("error", how), "retry": rec.get("retry", True), **_oom(rec)}
         return {"rank": rank, "error": how, "retry": True}
@@ -234,7 +220,7 @@ def job_folder_name(environ: dict | None = None) -> str:
     return env["SLURM_JOB_ID"]
 
 
-_RANK_START = re.compile(r"^vitp: \S+ rank \d+/\d+ .* restart (\d+)$", re.M)  # launch/preempt.py's first line
+_RANK_START = re.compile(r"^vitp: \S+ rank \d+/\d+ .* restart (\d+)$", re.M)  # launch/job_body.py's first line
 
 
 def _rank_log(folder: Path, name: str, rank, restart: int) -> str:

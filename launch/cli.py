@@ -3,7 +3,7 @@
 starts without torch and `vitp --help` is instant; the stages it calls are library functions of a
 typed config. This table is the only place that knows the commands, and :func:`run_command` the only
 place that turns an error into an exit code: the error's class says which
-(:class:`pipeline.stops.Classified`; the project's bad values are ValueErrors, exit 2); anything else
+(:class:`pipeline.errors.Classified`; the project's bad values are ValueErrors, exit 2); anything else
 is a bug and keeps its traceback.
 """
 
@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from pipeline.stops import Classified, exit_code
+from pipeline.errors import Classified, exit_code
 
 # command → (module:function, one-line summary, example)
 COMMANDS: dict[str, tuple[str, str, str]] = {

@@ -3,10 +3,10 @@
 Every submission appends one line to ``<cluster.log_dir>/index.jsonl`` (job id, stage, folder,
 executor, run dir, sweep id). A job's state comes from SLURM (squeue keeps finished jobs for
 MinJobAge; sacct when accounting exists); submitit's own watcher needs sacct, which small clusters
-often lack. The job's result.json (written by rank 0, see launch/preempt.py) says how it ended, or
-its error.<rank>.json records which error ended it; a job that left neither and that no scheduler lists
-any more was killed. events.jsonl has one line per attempt (launch/attempts.py): `vitp jobs` lists them
-under a job that ran more than once or did not simply complete.
+often lack. The job's result.json (written by rank 0, see launch/job_body.py) says how it ended, or
+its error records (pipeline/error_record.py) say which error ended it; a job that left neither and
+that no scheduler lists any more was killed. events.jsonl has one line per attempt (launch/attempts.py):
+`vitp jobs` lists them under a job that ran more than once or did not simply complete.
 Nothing here unpickles anything.
 """
 
@@ -20,7 +20,9 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline import error_record
 from pipeline.files import append_jsonl, read_jsonl
+from pipeline.stops import Outcome, Status, Stop
 
 from .attempts import describe, read_events
 from .cli import print_error
@@ -103,18 +105,6 @@ def read_result(folder: str | os.PathLike) -> dict | None:
         return None
 
 
-def read_errors(folder: str | os.PathLike) -> list[dict]:
-    """The ranks' error records (launch/preempt.py write_error), earliest first: the first rank to fail
-    names the cause; the others usually failed because it left their collective."""
-    out = []
-    for p in Path(folder).glob("error.*.json"):
-        try:
-            out.append(json.loads(p.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue
-    return sorted(out, key=lambda e: (e.get("time", 0), e.get("rank", 0)))
-
-
 def _local_alive(pid: str) -> bool:
     """The local executor's controller (a `submitit.local._local` process) still runs. A zombie (the
     submitting process has not reaped it) or a pid recycled by another program is not it, where /proc
@@ -138,9 +128,9 @@ def ended_state(folder: str | os.PathLike) -> str:
     res = read_result(folder)
     if res is None:
         return "FAILED"  # an error record, or nothing at all: killed, out of memory, node lost
-    if res.get("status") == "completed":
+    if res.get("status") == Status.COMPLETED:
         return "COMPLETED"
-    return "CANCELLED" if res.get("stop_reason") == "cancel" else "FAILED"
+    return "CANCELLED" if res.get("stop_reason") == Stop.CANCEL else "FAILED"
 
 
 def job_state(entry: dict, slurm: dict[str, str] | None = None) -> str:
@@ -177,19 +167,19 @@ def outcome(entry: dict, state: str) -> tuple[bool, str]:
     jid, folder = entry["job_id"], entry["folder"]
     res = read_result(folder) or {}
     status = res.get("status")
-    ok = state == "COMPLETED" and status == "completed"
+    ok = state == "COMPLETED" and status == Status.COMPLETED
     detail = f"status={status}" + (f" step={res['step']}" if "step" in res else "")
     if res.get("stop_reason"):
         detail += f" stop_reason={res['stop_reason']}"
-    if ok or status == "stopped":
+    if ok or status == Status.STOPPED:
         return bool(ok), f"job {jid} {state} {detail} (logs: vitp logs {jid})"
-    failed = [e for e in read_events(folder) if e.get("event") == "failed"]
+    failed = [e for e in read_events(folder) if e.get("event") == Outcome.FAILED]
     if failed:  # the batch script's record: which rank died first and why (launch/attempts.py)
         last, rank = failed[-1], failed[-1].get("rank", 0)
         note = f"; {last['why']}" if str(last.get("why", "")).startswith("cluster.") else ""  # limit used up
         why = f"{last.get('error')} (rank {rank}{note}; logs: vitp logs {jid} --rank {rank})"
         return False, f"job {jid} {state}: {why}"
-    errors = read_errors(folder)
+    errors = error_record.read(folder)
     if errors:
         rank = errors[0].get("rank", 0)
         return False, f"job {jid} {state}: {errors[0].get('error')} (rank {rank}; logs: vitp logs {jid} --rank {rank})"
@@ -231,7 +221,7 @@ def jobs_main(argv: list[str]) -> int:
               f"{e.get('tasks', 1):>5}  {e.get('run_dir', '')}"
               + (f"  ({tracking_line(e['run_dir'])})" if done else ""))
         events = read_events(e.get("folder", ""))
-        if len(events) > 1 or any(ev.get("event") != "completed" for ev in events):
+        if len(events) > 1 or any(ev.get("event") != Outcome.COMPLETED for ev in events):
             for ev in events:  # how each attempt ended, when there was more than one plain completion
                 print(f"  {describe(ev)}")
     return 0
@@ -299,7 +289,7 @@ def cancel_main(argv: list[str]) -> int:
                 print_error(f"cancel {jid}: {e}")
                 rc = 1
             continue
-        try:  # read at SIGTERM time: this TERM is a cancel, whatever else SLURM says (launch/preempt.py)
+        try:  # read at SIGTERM time: this TERM is a cancel, whatever else SLURM says (launch/job_body.py)
             (Path(entry["folder"]) / "cancel-requested").write_text(f"{time.time()}\n")
         except OSError:
             pass  # the job folder is gone or not writable; SLURM's state tells a cancel apart too

@@ -6,7 +6,7 @@ driver probe of `vitp submit`; the command itself is launch/preflight.py.
     vitp submit pretrain ... --preflight        # the same first; the real job is queued only if it passed
 
 The preflight takes the run's own arguments and goes through the same submit machinery
-(launch/submit.py, a launch/preempt.py StageJob) on the same partition, node count and tasks, for
+(launch/submit.py, a launch/job_body.py StageJob) on the same partition, node count and tasks, for
 ``--time-min`` minutes. Its ranks run pipeline/preflight.py in a gloo group (so the report gets out
 even where NCCL does not work) and rank 0 writes the table into the job's result.json; this side
 prints it and a verdict.
@@ -27,8 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .job_body import StageJob
 from .jobs import outcome, read_result, wait
-from .preempt import StageJob
 
 TARGET = "pipeline.preflight:preflight"
 PROBE_WAIT_S = 120  # srun --immediate: how long the probe may wait for a node before it is skipped

@@ -16,11 +16,12 @@ import json
 from pathlib import Path
 
 from launch.cli import add_config_args, load_args_config, parser_for
+from pipeline.stops import Status
 
 
 def stop_on_term() -> None:
     """SIGTERM asks for a checkpoint at the next step boundary, as scancel does under SLURM
-    (launch/preempt.py, which installs its own). It reaches a local or torchrun rank from a user's
+    (launch/job_body.py, which installs its own). It reaches a local or torchrun rank from a user's
     kill, torchrun's agent, or the launcher stopping the ranks after one of them died: such a rank then
     fails in its next collective and, on the way out, still delivers or spools the tracking records it
     holds, which the default action (die at once) lost."""
@@ -76,7 +77,7 @@ def stage_main(argv: list[str], command: str, description: str, fn) -> int:
         leave_process_group()
     rank0_print(f"{command} {result.status} at step {result.step}" + (f" ({result.reason})" if result.reason else "")
                 + _data_wait_summary(getattr(result, "data_wait", None)))
-    return 143 if result.status == "stopped" else 0
+    return 143 if result.status == Status.STOPPED else 0
 
 
 def _data_wait_summary(data_wait: float | None) -> str:

@@ -11,7 +11,7 @@ Everything that can be wrong is checked here, at the login node, before ``sbatch
 every split the run reads). A mistake is one line on stderr and exit 2; nothing is submitted.
 
 Its command line (parsers, --sweep expansion, prep's shard ranges) is launch/submit_args.py.
-What runs inside the job (rendezvous, signals, requeue) is launch/preempt.py; the submission index
+What runs inside the job (rendezvous, signals, requeue) is launch/job_body.py; the submission index
 and `vitp jobs/logs/cancel` are launch/jobs.py. This module and those are the only users of submitit.
 """
 
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from . import nodes
 from .attempts import Elastic, batch_lines, read_events
+from .job_body import STAGE_TARGETS, StageJob, stage_schema
 from .jobs import (  # noqa: F401 (cli table)
     append_index,
     cancel_main,
@@ -41,7 +42,6 @@ from .jobs import (  # noqa: F401 (cli table)
     tracking_line,
     wait,
 )
-from .preempt import STAGE_TARGETS, StageJob, stage_schema
 from .stages import check_addresses, evaluators_of
 from .submit_args import (
     SubmitError,

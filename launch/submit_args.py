@@ -10,7 +10,7 @@ import itertools
 import json
 from pathlib import Path
 
-from pipeline.stops import Classified
+from pipeline.errors import Classified
 
 
 class SubmitError(Classified, ValueError):

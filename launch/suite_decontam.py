@@ -1,16 +1,15 @@
 """Was each suite dataset's test split among the test sets the pre-training data was checked against?
 
-The checkpoint's manifest names its run's ``data.path``; that prep output says what it was checked
-against: ``_info.json``'s ``decontaminated`` block (`vitp prep --exclude-near`) and ``_exclude.json``
-(`vitp decontam`), each a list of test sets (addresses) and the splits taken of them. A suite dataset
-is "yes" when its address is one of them and its test split one of the splits taken (no splits given:
-``test`` if that test set has one, else all), "no" otherwise, and "" when the pre-training data is not
-known (weights from a file, a manifest without ``data.path``, synthetic data, data that cannot be read).
+The checkpoint's manifest names its run's ``data.path``; its DataSource says what it was checked
+against (a prep output: ``_info.json``'s ``decontaminated`` block, `vitp prep --exclude-near`, and
+``_exclude.json``, `vitp decontam`), each a list of test sets (addresses) and the splits taken of
+them. A suite dataset is "yes" when its address is one of them and its test split one of the splits
+taken (no splits given: ``test`` if that test set has one, else all), "no" otherwise, and "" when the
+pre-training data is not known (weights from a file, a manifest without ``data.path``, synthetic data,
+an image folder, data that cannot be read).
 """
 
 from __future__ import annotations
-
-import json
 
 from data_prep import store
 
@@ -27,26 +26,23 @@ def pretrain_data(source: str) -> str | None:
 
 
 def checked_sets(data: str) -> list[tuple[str, list[str] | None]] | None:
-    """(address, splits) of every test set ``data`` (a prep output) was checked against; None when it is
-    not a prep output (synthetic data, a mix)."""
-    if store.read_file(data, "_info.json") is None:
-        return None
-    out = []
-    for name, key in (("_info.json", "decontaminated"), ("_exclude.json", None)):
-        raw = store.read_file(data, name)
-        block = json.loads(raw) if raw is not None else None
-        block = block.get(key) if block and key else block
-        if block:
-            out += [(a["address"].rstrip("/"), block.get("splits")) for a in block.get("against", [])]
-    return out
+    """(address, splits) of every test set ``data`` was checked against; None when its kind keeps no
+    such record (synthetic data, an image folder)."""
+    from pipeline.data import source_for
+
+    return source_for(data).checked_against()
 
 
 def _taken(address: str, splits: list[str] | None) -> set[str] | None:
     """The splits of a test set that were checked (None: all of them)."""
+    from pipeline.data import source_for
+
     if splits:
         return set(splits)
-    raw = store.read_file(address, "_info.json")
-    has = json.loads(raw).get("splits", {}) if raw is not None else {}
+    try:
+        has = source_for(address).split_sizes()
+    except (OSError, ValueError):  # not readable now: say what was asked, all of its splits
+        has = {}
     return {"test"} if "test" in has else None
 
 

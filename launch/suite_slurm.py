@@ -13,7 +13,6 @@ resumes from its checkpoints); while any job of this suite is queued or running 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from .submit_args import SubmitError
@@ -51,8 +50,8 @@ def check_not_running(suite, log_dir: str) -> None:
 def submit_suite(argv: list[str]) -> int:
     from pipeline.config import to_dict
 
+    from .job_body import StageJob
     from .jobs import outcome, wait
-    from .preempt import StageJob
     from .submit import check_cluster, check_run_dir, check_tracking, default_cluster, same_job, submit_jobs
     from .suite import OK, Suite, finish_if_done, summary
     from .suite_mlflow import open_parent
@@ -127,12 +126,14 @@ def final_job(cfg, *, suite_file: str, overrides: list[str], dataset: str, keep_
     tables and, when this was the last cell of the suite, publish its MLflow run. ``cfg`` (the final
     at the first lr) set up the job."""
     from pipeline.config import load_config
+    from pipeline.distributed import rank_world
     from pipeline.transfer import transfer
 
     from .suite import Suite, drop_weights, finish_if_done, selected_lr
     from .suite_table import cell_state, clear_record, record_failure
 
-    rank0 = int(os.environ.get("RANK", "0")) == 0
+    rank, world = rank_world()
+    rank0 = rank == 0
     suite = Suite(suite_file, overrides, keep_grid_weights, rerun_changed)
     for c in suite.grid[dataset]:
         state = cell_state(c.run_dir, c.score_split)
@@ -150,7 +151,7 @@ def final_job(cfg, *, suite_file: str, overrides: list[str], dataset: str, keep_
                 raise RuntimeError(f"suite: {dataset}: no grid cell completed; no final")
             extra = [f"tracking.parent_run={parent_run}"] if parent_run else []
             fcfg = load_config(suite.spec.transfer_config, [*final.overrides, *extra],
-                               world_size=int(os.environ.get("WORLD_SIZE", "1")))
+                               world_size=world)
             if rank0:
                 suite.prepare(final)
                 clear_record(final.run_dir)

@@ -29,8 +29,8 @@ import sys
 from dataclasses import dataclass
 
 from pipeline import slurm
+from pipeline.errors import Classified
 from pipeline.network import free_port, port_free, rendezvous_port
-from pipeline.stops import Classified
 from pipeline.threads import use_cpu_threads
 
 

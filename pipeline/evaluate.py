@@ -27,8 +27,9 @@ from pipeline.config import ConfigError, EvalConfig, flatten
 from pipeline.data import DataError, dataset_inputs, minival_source, read_info
 from pipeline.distributed import comm_device, rank_world, setup
 from pipeline.eval import evaluators as evals
-from pipeline.eval.classify import write_results
+from pipeline.eval.loop import write_results
 from pipeline.eval.task import Task
+from pipeline.stops import Status
 from pipeline.tracking import Sinks
 from pipeline.tracking.setup import Tracking
 from pipeline.train import checkpoint as ckpt_lib
@@ -37,7 +38,7 @@ from pipeline.weights import load_model
 
 @dataclass
 class EvalResult:
-    status: str  # "completed"
+    status: str  # stops.Status.COMPLETED
     metrics: dict[str, float] = field(default_factory=dict)
     results: str | None = None  # results.json (rank 0)
     fewshot_text: str | None = None
@@ -114,7 +115,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
                 tracker.log_artifact(a)
         tracker.log_artifact(path)
         tracker.close(status="FINISHED", timeout=cfg.tracking.close_timeout_s)
-    return EvalResult("completed", metrics, path, "\n".join(res.texts) or None, tracker.run_id, parent.run_id)
+    return EvalResult(Status.COMPLETED, metrics, path, "\n".join(res.texts) or None, tracker.run_id, parent.run_id)
 
 
 def _start_tracking(cfg: EvalConfig, declared: list, out_dir: Path, rank: int, world: int

@@ -43,7 +43,7 @@ VITP_TEST_OPTIM_DUMP=D writes the full optimizer state (rank 0, ``D/saved-<step>
 ``D/resumed-<step>.pt`` after a resume; :func:`optimizer_dump`) so a test compares them across world sizes.
 
 Pause gate, event "step": VITP_TEST_PAUSE_AT_STEP=k[,k2...] (0: before the stage starts, see
-launch/preempt.py) with VITP_TEST_PAUSE_FILE=P holds every rank before step k. Each rank writes
+launch/job_body.py) with VITP_TEST_PAUSE_FILE=P holds every rank before step k. Each rank writes
 ``P.k.reached.<rank>``, then waits until ``P.k`` exists (at most VITP_TEST_PAUSE_TIMEOUT_S, default
 600, then TimeoutError); a stop request it receives meanwhile (a signal the test sent) is written to
 ``P.k.stop.<rank>``. So a test makes a signal land at the step it chooses: wait for every

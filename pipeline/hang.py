@@ -8,7 +8,7 @@ never this watch. After ``seconds`` without progress a watcher thread
 1. writes ``hang.<rank>.txt`` into the job folder: one line naming the frame the main thread stands
    in, then every thread's Python stack (``faulthandler``) and, where NCCL's flight recorder is on,
    its dump beside it (``nccl_trace_rank_<rank>``, as on a collective timeout);
-2. writes ``error.<rank>.json`` (the record launch/attempts.py reads: retried, like a dead rank) and
+2. writes its error record (pipeline/error_record.py; launch/attempts.py retries it, like a dead rank) and
 3. ends the process (exit code :data:`EXIT_CODE`): srun's --kill-on-bad-exit ends the step, the batch
    script requeues the attempt.
 
@@ -32,8 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline import slurm
-from pipeline.files import write_json
+from pipeline import error_record
 
 EXIT_CODE = 3  # srun: "task N: Exited with exit code 3"
 GRACE = 0.5  # x seconds: how much longer a rank waiting in a collective gives the stuck one
@@ -128,15 +127,13 @@ def _fire(folder: Path, rank: int, idle: float, stuck_in: str, waiting: bool) ->
         f.flush()
         faulthandler.dump_traceback(f, all_threads=True)
     _dump_flight_recorder(folder, rank)
-    write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": slurm.restart_count(), "time": time.time(),
-                                                "error": line, "retry": True, "hang": True, "frame": stuck_in,
-                                                "waiting": waiting})
+    error_record.write(folder, rank, line, retry=True, hang=True, frame=stuck_in, waiting=waiting)
     print(f"vitp: {line}", file=sys.stderr, flush=True)
     os._exit(EXIT_CODE)
 
 
 def _dump_flight_recorder(folder: Path, rank: int) -> None:
-    """NCCL's flight recorder, where it records (launch/preempt.py nccl_debug_env turns it on)."""
+    """NCCL's flight recorder, where it records (launch/job_body.py nccl_debug_env turns it on)."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_initialized() or torch.distributed.get_backend() != "nccl":
         return

@@ -299,12 +299,10 @@ def preflight(cfg, *, want_gpus: bool = False, want_nccl: bool = False, io_mb: i
     engine.backend; this job's own group is gloo). Sizes in MiB; ``min_fabric``: the fraction of the
     resources file's fabric figure NCCL's bus bandwidth must reach.
     """
-    import torch.distributed as dist
-
-    from pipeline.distributed import broadcast_from_rank0, dist_env, gather_object
+    from pipeline.distributed import broadcast_from_rank0, dist_env, gather_object, rank_world
 
     d = dist_env()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = rank_world()
     made = broadcast_from_rank0(not Path(cfg.run.dir).exists())  # looked at before any node writes there
     host = node_name()
     node_index = rank // max(1, d.local_world_size)

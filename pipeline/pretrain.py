@@ -13,6 +13,7 @@ from __future__ import annotations
 from pipeline.config import Config
 from pipeline.distributed import setup
 from pipeline.rundir import own_run_dir
+from pipeline.stops import Status
 from pipeline.train.build import build_run
 from pipeline.train.loop import Result, train
 from pipeline.weights import build_model
@@ -24,7 +25,7 @@ def pretrain(cfg: Config) -> Result:
     with own_run_dir(cfg.run.dir) as claim:  # one job at a time in a run dir (pipeline/rundir.py)
         run = build_run(cfg, lambda num_classes: build_model(cfg, num_classes), stage="pretrain")
         result = train(run)
-        claim.finished = result.status == "completed"
+        claim.finished = result.status == Status.COMPLETED
     return result
 
 

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pipeline import slurm
-from pipeline.stops import Classified
+from pipeline.errors import Classified
 
 OWNER = ".owner.json"
 ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",

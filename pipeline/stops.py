@@ -1,12 +1,14 @@
-"""Why a job stops and how an attempt ends: one vocabulary, one decision, errors classified by class.
+"""Why a job stops and how an attempt ends: one vocabulary, one decision.
 
 Standard library only, on the ground floor: the training loop, the test-fault seam, data_prep and
 launch/ all read it, so a new fault behaviour adds a word here and a branch in one decision below.
 
     Stop       why a run stopped early (the stop request, ``Result.reason``, the job's stop_reason)
+    Status     how a stage's call ended (``Result.status``, result.json's "status")
     Outcome    how one attempt of a SLURM job ended (the "event" of its line in events.jsonl)
     Next       what the attempt does next: requeue, fail, or end for good
-    Classified the mixin of the project's errors: their exit code and whether a retry could help
+
+Whether another attempt could get past an error is its class's to say (pipeline/errors.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ class Stop(_Word):
     PREEMPT = "preempt"  # TERM while RUNNING with a PreemptTime (PreemptMode=REQUEUE): saved, requeued
     TIME_LIMIT = "time_limit"  # TERM at the time limit itself: saved, ends
     LOST = "lost"  # TERM after SLURM requeued the job itself (a node of it failed): saved where it can
+
+
+class Status(_Word):
+    COMPLETED = "completed"  # the stage ran to its end
+    STOPPED = "stopped"  # asked to stop (a Stop): every rank saved; the job's stop_reason says why
 
 
 class Outcome(_Word):
@@ -138,39 +145,3 @@ def after_failure(retry: bool, failed_before: int, max_failures: int) -> tuple[N
     if failed_before >= max_failures:
         return Next.FAIL, f"cluster.max_failures={max_failures} used up"
     return Next.REQUEUE, None
-
-
-# --------------------------------------------------------------------------------------------------
-# Errors, by class
-# --------------------------------------------------------------------------------------------------
-class Classified:
-    """Mixin of the project's errors. ``exit_code``: 1 a run that started and failed, 2 a mistake in
-    what was asked (None: a base class decides). ``retry``: False when another attempt would raise it
-    again (a bad config, a missing dataset, a non-finite loss), so no cluster.max_failures is spent."""
-
-    exit_code: int | None = None
-    retry: bool | None = None
-
-
-# builtins the project raises for its own mistakes (ConfigError, DataError, ... are ValueErrors)
-_BUILTIN = {ValueError: (2, None), FileNotFoundError: (2, False), ImportError: (None, False)}
-
-
-def _first(e: BaseException, i: int, attr: str):
-    for c in type(e).__mro__:  # the most specific class that says
-        value = vars(c).get(attr) if issubclass(c, Classified) else None
-        if value is None:
-            value = _BUILTIN.get(c, (None, None))[i]
-        if value is not None:
-            return value
-    return None
-
-
-def exit_code(e: BaseException) -> int | None:
-    """A command's exit code for the project error ``e``; None for anything else (a bug: its traceback)."""
-    return _first(e, 0, "exit_code")
-
-
-def retried(e: BaseException) -> bool:
-    """Whether another attempt could get past ``e`` (anything not known to be deterministic)."""
-    return _first(e, 1, "retry") is not False

@@ -22,9 +22,10 @@ from pipeline.config import Config, ConfigError, EvalEntry
 from pipeline.data import check_splits, minival_source, read_info
 from pipeline.distributed import rank0_print, setup
 from pipeline.eval import evaluators as evals
-from pipeline.eval.classify import write_results
+from pipeline.eval.loop import write_results
 from pipeline.eval.task import Task
 from pipeline.rundir import own_run_dir
+from pipeline.stops import Status
 from pipeline.train.build import build_run
 from pipeline.train.engine import param_groups_layer_decay
 from pipeline.train.loop import Finished, Result, train
@@ -94,5 +95,5 @@ def transfer(cfg: Config) -> Result:
         groups = lambda m: param_groups_layer_decay(m, cfg.optim.layer_decay, cfg.optim.weight_decay)  # noqa: E731
         run = build_run(cfg, build, stage="transfer", param_groups=groups)
         result = train(run, finish=publish)
-        claim.finished = result.status == "completed"
+        claim.finished = result.status == Status.COMPLETED
     return result

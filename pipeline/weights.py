@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from pipeline.errors import Classified
 from pipeline.files import replacing
 from pipeline.model import ViT, build_vit, load_pretrained, load_state_dict_into, reset_head
-from pipeline.stops import Classified
 from pipeline.train import checkpoint as ckpt_lib
 
 

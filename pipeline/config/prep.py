@@ -32,10 +32,22 @@ DEFAULT_PART_SIZE = 64 * 2**20
 # Hamming distance between 64-bit perceptual hashes within which a pair is a candidate, then checked by
 # thumbnails (data_prep/near.py; bench/decontam.py measures both on real photographs: the README's tables)
 DEFAULT_NEAR_THRESHOLD = 12
-HASH_BITS = 64
 MAX_NEAR_THRESHOLD = 24  # two random 64-bit hashes lie 32 +- 4 bits apart: beyond this, chance matches
+KINDS = ("text", "int", "float", "size", "on", "off", "list")  # how a flag reads its value (data_prep/cli.py)
 
 
+def option(default: Any, help: str, *, kind: str = "text", flag: str | None = None, metavar: str | None = None,
+           group: str | None = None, **checks) -> Any:
+    """A field of prep's schema together with its command-line flag (``--field-name`` unless ``flag``):
+    ``help`` its --help text (``{default}`` becomes the default); ``kind`` how the flag reads its value
+    (text; int; float; size: bytes with a unit, 500MB; on: a switch that sets True; off: ``flag`` sets
+    False; list: repeatable); ``group``: flags of one group exclude each other; ``checks``: pydantic's."""
+    assert kind in KINDS, kind
+    cli = {"kind": kind, "flag": flag, "metavar": metavar, "group": group}
+    text = help.format(default=default)
+    if kind == "list":
+        return Field(default_factory=list, description=text, json_schema_extra={"cli": cli}, **checks)
+    return Field(default, description=text, json_schema_extra={"cli": cli}, **checks)
 
 
 def _path_or_names(v):
@@ -71,30 +83,51 @@ Addresses = Annotated[list[Str], BeforeValidator(_addresses)]
 
 
 class PrepCfg(Section):
-    """`vitp prep SRC OUT`'s options (their `--help` says each one); ``shard_size`` in bytes."""
+    """`vitp prep SRC OUT`'s options, each with its flag, default and --help text (data_prep/cli.py makes
+    the flags of both `vitp prep` and `vitp submit prep` from these fields); ``shard_size`` in bytes."""
 
-    seed: Int = 0
-    val_fraction: Float = Field(0.0, ge=0.0, lt=1.0)
-    split_column: Str | None = None
-    path_column: Str = "path"
-    label_column: Str = "label"
-    labels_column: Str = "labels"
-    classes: Classes | None = None
-    shard_size: Int | None = Field(None, gt=0)
-    max_samples_per_shard: Int | None = Field(None, gt=0)
-    resize_shorter: Int | None = Field(None, gt=0)
-    resize_longer: Int | None = Field(None, gt=0)
-    quality: Int = Field(90, ge=1, le=100)
-    min_size: Int = Field(16, ge=1)
-    max_pixels: Int = Field(DEFAULT_MAX_PIXELS, gt=0)
-    keep_original: Bool = True
-    dedup: Bool = False
-    workers: Int = Field(1, ge=1)
-    staging_dir: Str | None = None
-    part_size: Int = Field(DEFAULT_PART_SIZE, gt=0)
-    exclude_near: Addresses = Field(default_factory=list)
-    exclude_near_splits: Names | None = None
-    near_threshold: Int = Field(DEFAULT_NEAR_THRESHOLD, ge=0, le=MAX_NEAR_THRESHOLD)
+    seed: Int = option(0, "global shuffle seed (default {default})", kind="int")
+    val_fraction: Float = option(0.0, "stratified val split fraction, e.g. 0.01 (default {default:g})", kind="float",
+                                 ge=0.0, lt=1.0)
+    split_column: Str | None = option(None, "manifest column naming each row's split (instead of --val-fraction)")
+    path_column: Str = option("path", "manifest path column (default {default})")
+    label_column: Str = option("label", "manifest label column (default {default})")
+    labels_column: Str = option("labels", "manifest column of several labels per image; its presence makes the "
+                                          "data multi-label (default {default})")
+    classes: Classes | None = option(None, "class names in index order: .json list or text file, one per line "
+                                           "(default: sorted names)")
+    shard_size: Int | None = option(None, "max source bytes per shard, e.g. 500MB", kind="size", gt=0)
+    max_samples_per_shard: Int | None = option(
+        None, f"max samples per shard (default {DEFAULT_MAX_SAMPLES_PER_SHARD} unless --shard-size is given)",
+        kind="int", gt=0)
+    resize_shorter: Int | None = option(None, "shrink so the shorter side is N (never enlarges)", kind="int",
+                                        group="resize", gt=0)
+    resize_longer: Int | None = option(None, "shrink so the longer side is N (never enlarges)", kind="int",
+                                       group="resize", gt=0)
+    quality: Int = option(90, "JPEG quality of re-encoded images, 1-100 (default {default})", kind="int", ge=1, le=100)
+    min_size: Int = option(16, "reject images with a side below N px (default {default})", kind="int", ge=1)
+    max_pixels: Int = option(DEFAULT_MAX_PIXELS, "reject larger images before decoding (decompression bombs; "
+                                                 "default {default})", kind="int", gt=0)
+    keep_original: Bool = option(True, "always re-encode as JPEG (default: keep RGB JPEG/PNG/WebP bytes that need "
+                                       "no change)", kind="off", flag="--no-keep-original")
+    dedup: Bool = option(False, "reject files whose bytes equal an earlier file's", kind="on")
+    workers: Int = option(1, "worker processes (default {default})", kind="int", ge=1)
+    staging_dir: Str | None = option(None, "OUT in an object store: local folder where finished shards wait for "
+                                           "their upload, a few at a time (default: the system temp folder)")
+    part_size: Int = option(DEFAULT_PART_SIZE, "OUT in an object store: multipart upload part size, at least 5MiB "
+                                               f"(default {DEFAULT_PART_SIZE >> 20}MiB)", kind="size", gt=0)
+    exclude_near: Addresses = option([], "a downstream test set (image folder, manifest, or a `vitp prep` output; "
+                                         "any address): training images that are near-duplicates of its images "
+                                         "are not written (rejects.jsonl: near_duplicate); repeatable",
+                                     kind="list", metavar="TEST")
+    exclude_near_splits: Names | None = option(None, "of a prep output given to --exclude-near, these splits, e.g. "
+                                                     "test,val (default: its test split if it has one, else every "
+                                                     "split)", metavar="SPLITS")
+    near_threshold: Int = option(DEFAULT_NEAR_THRESHOLD,
+                                 "near-duplicate candidate: at most D of the 64 bits of the perceptual hash differ "
+                                 f"(Hamming distance, 0-{MAX_NEAR_THRESHOLD}; default {{default}}, measured in the "
+                                 "README's table); each candidate is then checked with thumbnails",
+                                 kind="int", metavar="D", ge=0, le=MAX_NEAR_THRESHOLD)
 
     @field_validator("staging_dir", mode="before")
     @classmethod

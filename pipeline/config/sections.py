@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from pipeline.stops import Classified
+from pipeline.errors import Classified
 
 
 class ConfigError(Classified, ValueError):
@@ -424,7 +424,7 @@ def fewshot_sets(entries: list[str]) -> list[tuple[str, str]]:
 class EvalCfg(Section):
     fewshot_shots: List(Int) = Field(default_factory=lambda: [1, 5, 10, 25])
     fewshot_seeds: Int = Field(3, ge=1)
-    fewshot_l2: Float = Field(1024.0, gt=0)  # ridge regulariser: big_vision's 2^10 (pipeline/eval/fewshot.py)
+    fewshot_l2: Float = Field(1024.0, gt=0)  # ridge regulariser: big_vision's 2^10 (pipeline/eval/linear.py)
     linear_probe: Bool = False
     batch: Int = Field(64, ge=1)
     # [NAME=]`vitp prep` folders (train + test splits) scored while training

@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from data_prep import store
 from pipeline import faults
+from pipeline.config.batch import BatchLayout
 
 from .augment import (
     EvalTransform,
@@ -178,9 +179,7 @@ class TrainLoader:
                  rank: int | None = None, world_size: int | None = None, seed: int = 0, split: str | None = None,
                  num_workers: int | None = None, return_keys: bool = False, pin_memory: bool = False):
         rank, world_size = _rank_world(rank, world_size)
-        if global_batch % (world_size * micro_batch):
-            raise DataError(f"train.global_batch: {global_batch} is not divisible by world size {world_size} x "
-                            f"train.micro_batch {micro_batch}")
+        layout = BatchLayout(int(global_batch), int(micro_batch), world_size)  # ConfigError if it does not split
         self.cfg = cfg_data
         self.info = read_info(cfg_data.path)
         self.split = training_split(cfg_data, self.info, split or cfg_data.train_split)
@@ -189,7 +188,7 @@ class TrainLoader:
         self.num_workers = cfg_data.workers if num_workers is None else int(num_workers)
         self.return_keys, self.pin_memory = return_keys, pin_memory
         self.order = "rank" if cfg_data.resampled else cfg_data.order  # resampled draws per stream
-        self.accum_steps = global_batch // (world_size * micro_batch)
+        self.accum_steps = layout.accumulation
         self.steps_per_epoch = max(1, self.split.num_samples // global_batch)
         self.micro_batches_per_epoch = self.steps_per_epoch * self.accum_steps
         self.stream_spec().transform()  # a bad crop scale or randaugment string fails here, not in a worker
@@ -280,9 +279,9 @@ class TrainLoader:
         if not self.step or all(sd.get(k) == v for k, v in now.items()):
             return
         if self.order == "global" and all(sd.get(k) == now[k] for k in self._ORDER):
-            per_rank = (sd.get("world_size") or 0) * (sd.get("micro_batch") or 0)
-            saved_accum = self.global_batch // per_rank if per_rank else 0
-            if saved_accum == self.accum_steps and per_rank == self.world_size * self.micro_batch:
+            ws, mb = sd.get("world_size") or 0, sd.get("micro_batch") or 0
+            saved_accum = BatchLayout(self.global_batch, mb, ws, exact=False).accumulation if ws and mb else 0
+            if saved_accum == self.accum_steps and ws * mb == self.world_size * self.micro_batch:
                 return  # only the worker count changed: the same micro-batches, made by other workers
             if saved_accum and self.step % saved_accum == 0:
                 self.step = self.step // saved_accum * self.accum_steps  # the same optimizer step, shared anew
@@ -402,6 +401,12 @@ class ShardSource(ClassLoaders, DataSource):
 
         if store.is_remote(self.path):
             store.check_readable(store.join(self.path, INFO_FILE), key)
+
+    def checked_against(self) -> list[tuple[str, list[str] | None]]:
+        """Prep's record (``_info.json``'s ``decontaminated``) and `vitp decontam`'s (``_exclude.json``)."""
+        info = self.read_info()
+        return [(a["address"].rstrip("/"), block.get("splits"))
+                for block in (info.decontaminated, info.excluded) if block for a in block.get("against", [])]
 
     def split_sizes(self) -> dict[str, int]:
         """Shards per split, from ``_info.json`` alone (no shard is listed or counted)."""

@@ -35,6 +35,7 @@ import numpy as np
 from torch.utils.data import IterableDataset
 
 from data_prep import store
+from pipeline.config.batch import BatchLayout
 
 from .augment import augment_batch, sample_seed
 from .shards import (
@@ -128,9 +129,9 @@ def read_at(sp: SplitInfo, positions, counts: SkipCounts, **kw) -> dict[int, tup
 def first_index(p, j: int) -> int:
     """Where micro-batch ``j`` of rank ``p.rank``'s epoch starts in the order (``p``: its StreamSpec):
     step j // accum's global batch, this rank's share, its (j % accum)-th micro-batch."""
-    B, G = p.micro_batch, p.global_batch
-    accum = G // (p.world_size * B)
-    return (j // accum) * G + p.rank * (G // p.world_size) + (j % accum) * B
+    layout = BatchLayout(p.global_batch, p.micro_batch, p.world_size)
+    accum = layout.accumulation
+    return (j // accum) * layout.global_batch + p.rank * layout.per_rank + (j % accum) * layout.micro_batch
 
 
 def reader_kw(p) -> dict:

@@ -31,7 +31,7 @@ import numpy as np
 from data_prep import store
 from data_prep.schema import CLASSES_FILE, IMAGE_EXTS, INFO_FILE, DatasetInfo, SchemaError, parse_classes
 from data_prep.tar import TarError, iter_tar
-from pipeline.stops import Classified
+from pipeline.errors import Classified
 
 from .stream import ReadPolicy, ShardReadError, ShardStream
 

@@ -141,6 +141,12 @@ class DataSource(ABC):
         """{split: its size, 0 when empty} for the split checks made before a run starts."""
         return {k: sp.num_samples for k, sp in self.read_info().splits.items()}
 
+    def checked_against(self) -> list[tuple[str, list[str] | None]] | None:
+        """(address, splits taken or None) of every test set this data was checked against for
+        near-duplicates (`vitp prep --exclude-near`, `vitp decontam`); None where the kind keeps no
+        such record (the suite's "decontaminated" column says "not known")."""
+        return None
+
     def shard_addresses(self, split: str) -> list[str]:
         """The files ``split`` is streamed from, as its description names them (none are opened):
         submission warns when too few remote ones feed the loader streams. [] for data without shards."""

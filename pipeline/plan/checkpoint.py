@@ -20,9 +20,8 @@ from pipeline.plan.memory import checkpoint_bytes
 def checkpoint_cost(cfg, params: float, step_s: float) -> dict:
     """{"bytes", "snapshot_bytes" (per rank, host), "write_s", "copy_s", "blocking_s", "interval_s",
     "share", "inline_share", "async"}; interval and shares None when the run saves only at its end."""
-    e, c, hw, k = cfg.engine, cfg.cluster, cfg.hardware, cfg.checkpoint
-    b = checkpoint_bytes(params, precision=e.precision, zero_stage=e.zero_stage,
-                         world_size=c.nodes * c.tasks_per_node)
+    e, hw, k = cfg.engine, cfg.hardware, cfg.checkpoint
+    b = checkpoint_bytes(params, precision=e.precision, zero_stage=e.zero_stage, world_size=cfg.world_size_planned)
     write_s = b["total"] / (hw.storage_write_gbps * 1e9)
     copy_s = b["rank0"] / (hw.host_copy_gbps * 1e9)
     intervals = [s for s in (k.every * step_s if k.every else None, k.every_minutes * 60 or None) if s]

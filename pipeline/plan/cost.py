@@ -33,6 +33,7 @@ shows both step times and what the schedule saves against patch_drop=0.
 
 from __future__ import annotations
 
+from pipeline.config.batch import BatchLayout
 from pipeline.config.sections import REDUCE_DTYPE
 from pipeline.plan.checkpoint import checkpoint_cost, report_lines
 from pipeline.plan.memory import BYTES, GiB, ModelShape, memory_per_rank
@@ -176,8 +177,8 @@ def step_time(cfg, shape: ModelShape, patch_drop: float | None = None) -> dict:
 
     c, e, t, hw = cfg.cluster, cfg.engine, cfg.train, cfg.hardware
     n = cfg.world_size_planned
-    per_rank = t.global_batch // n
-    accum = per_rank // t.micro_batch
+    layout = BatchLayout.planned(t, n)
+    per_rank, accum = layout.per_rank, layout.accumulation
     # time counts what the GPU executes (checkpointing runs the forward again); model FLOPs (MFU,
     # total work, TPUv3-core-days) count the model's work once: recomputation is a cost in time
     pd = cfg.model.patch_drop if patch_drop is None else patch_drop
@@ -228,6 +229,7 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
         raise PlanError(f"world size must be >= 1; got {n}")
     if t.micro_batch > t.global_batch:
         raise PlanError(f"train.micro_batch: {t.micro_batch} is larger than train.global_batch {t.global_batch}")
+    layout = BatchLayout.planned(t, n)
     shape_note = ""
     if shape is None:
         shape, shape_note = model_shape(cfg, num_classes)
@@ -235,10 +237,10 @@ def plan(cfg, *, dataset: int | None = None, num_classes: int | None = None, bac
     mem_kw = dict(precision=e.precision, zero_stage=e.zero_stage, world_size=n,
                   checkpointing=m.grad_checkpointing, dropout=max(m.dropout, m.attn_dropout) > 0,
                   offload_optimizer=e.offload_optimizer, offload_params=e.offload_params, backend=backend,
-                  accumulation=max(t.global_batch // (n * t.micro_batch), 1))
+                  accumulation=max(layout.accumulation, 1))
     mem = memory_per_rank(shape, micro_batch=t.micro_batch, **mem_kw)
     budget = hw.device_mem_gb * GiB * (1 - headroom)
-    per_rank = t.global_batch // n
+    per_rank = layout.per_rank
     upper = max(per_rank, 1) * 64  # searching further says nothing a user can act on
     max_mb = _largest_micro_batch(shape, mem_kw, budget, upper=upper)
     valid = [b for b in range(1, per_rank + 1) if per_rank % b == 0 and b <= max_mb]

@@ -23,6 +23,7 @@ parameters twice per micro step, 4 a G (n-1)/n, overlapping compute.
 
 from __future__ import annotations
 
+from pipeline.config.batch import BatchLayout
 from pipeline.plan.cost import PlanError, model_shape, step_time
 from pipeline.plan.memory import GiB, ModelShape, memory_per_rank
 
@@ -38,7 +39,7 @@ def _variant(cfg, stage: int, checkpointing: bool):
 def options(cfg, shape: ModelShape, *, backend: str = "cuda", headroom: float = 0.0) -> list[dict]:
     """One row per (stage, checkpointing): GiB per GPU, fits, bytes sent per rank per step, step seconds."""
     n = cfg.world_size_planned
-    accum = max(cfg.train.global_batch // (n * cfg.train.micro_batch), 1)
+    accum = max(BatchLayout.planned(cfg.train, n).accumulation, 1)
     budget = cfg.hardware.device_mem_gb * GiB * (1 - headroom)
     rows = []
     for ckpt in (False, True):

@@ -18,9 +18,9 @@ import uuid
 import warnings
 from pathlib import Path
 
+from pipeline.errors import Classified
 from pipeline.files import append_jsonl, read_jsonl
 from pipeline.secrets import has_secret, mask_library_logs, redact, restore
-from pipeline.stops import Classified
 
 # Fail fast and let our thread retry: mlflow's own retries would stall the queue for minutes.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

@@ -40,17 +40,17 @@ from pipeline.config import Config, resolve
 from pipeline.data import check_splits, minival_source
 from pipeline.data.mixing import Mixer
 from pipeline.distributed import any_rank, broadcast_from_rank0, rank0_print, rank_world, wait_for_rank0
+from pipeline.errors import Classified
 from pipeline.eval import evaluators as evals
 from pipeline.eval.task import Task
 from pipeline.plan.memory import checkpoint_bytes
-from pipeline.stops import Classified
 from pipeline.tracking import METRICS, JsonlSink, Sinks
 from pipeline.tracking.setup import Tracking
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
 from pipeline.train.checkpoint import CheckpointManager, RngState, Stateful
 from pipeline.train.ema import Ema
-from pipeline.train.evaluators import Evaluations
+from pipeline.train.evaluations import Evaluations
 from pipeline.train.loss import loss_fn
 from pipeline.train.patchdrop import PatchDrop
 from pipeline.train.periodic import Periodic, TrainLog, Window
@@ -109,7 +109,7 @@ def prepare_run_dir(run, resolved_yaml: str, rank: int) -> Path | None:
 
 
 # how a step is split, not what it computes: an out-of-memory retry halves it with the global batch kept
-# (launch/preempt.py), and an attempt that died before its first checkpoint starts over in the same run dir
+# (launch/job_body.py), and an attempt that died before its first checkpoint starts over in the same run dir
 NOT_IDENTITY = (("train", "micro_batch"),)
 
 

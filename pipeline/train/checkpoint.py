@@ -59,8 +59,8 @@ import torch
 
 from pipeline import faults
 from pipeline.distributed import any_rank, broadcast_from_rank0, new_gloo_group, rank0_print, rank_world, wait_for_rank0
+from pipeline.errors import Classified
 from pipeline.files import atomic_write, fsync_path
-from pipeline.stops import Classified
 from pipeline.train.saving import Background, HostCopy, free_space, without_crc
 
 MANIFEST = "manifest.json"

@@ -18,7 +18,7 @@ alone with a class-token head, ``first_token_only`` is guarded):
     evaluation (validation, few-shot features, final score) [eval.batch, 1 + N, D], grad off
 
 A batch of one (a rank whose evaluation batches ran out feeds dummies) would be one more entry per
-role (Dynamo specialises a size of 1): the dummies are full eval batches (pipeline/eval/classify.py).
+role (Dynamo specialises a size of 1): the dummies are full eval batches (pipeline/eval/loop.py).
 :func:`block_variants` is that count; :func:`compile_blocks` raises the limit to what every compiled
 model of the process together may make.
 """

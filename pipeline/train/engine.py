@@ -24,10 +24,9 @@ import re
 import sys
 
 import torch
-import torch.distributed as dist
 
 from pipeline.config.sections import REDUCE_DTYPE
-from pipeline.distributed import bound_collectives, comm_device
+from pipeline.distributed import bound_collectives, comm_device, rank_world
 from pipeline.train import compiled, device_norm
 
 
@@ -305,7 +304,7 @@ def build_engine(model: torch.nn.Module, cfg, param_groups: list[dict] | None = 
         model.set_grad_checkpointing(True)
     compile_blocks(model, cfg)
     groups = param_groups if param_groups is not None else default_param_groups(model, cfg.optim.weight_decay)
-    ds_cfg = deepspeed_config(cfg, dist.get_world_size(), load_universal=load_universal)
+    ds_cfg = deepspeed_config(cfg, rank_world()[1], load_universal=load_universal)
     # device_rank: the GPU this rank chose (pipeline.distributed.local_device_index), not LOCAL_RANK,
     # which is no device index where each task sees only its own GPU
     args = argparse.Namespace(device_rank=comm_device().index or 0) if _on_gpu() else None
@@ -321,7 +320,7 @@ def for_training(model: torch.nn.Module, cfg, param_groups: list[dict] | None = 
     (the DeepSpeed engine of :func:`build_engine`, the model's input dtype, micro batches per
     optimizer step on each rank)."""
     engine = build_engine(model, cfg, param_groups, load_universal=load_universal)
-    return engine, input_dtype(cfg), grad_accumulation(cfg, dist.get_world_size())
+    return engine, input_dtype(cfg), grad_accumulation(cfg, rank_world()[1])
 
 
 def set_lr(engine, lr: float) -> None:

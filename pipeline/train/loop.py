@@ -39,8 +39,8 @@ import torch
 
 from pipeline import faults, hang, stops
 from pipeline.distributed import all_reduce, rank0_print, wait_for_rank0
+from pipeline.errors import Classified
 from pipeline.eval.figures import loss_curve_png
-from pipeline.stops import Classified
 from pipeline.tracking import Sinks
 from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
@@ -51,7 +51,7 @@ from pipeline.train.loss import top1_hits
 
 @dataclass
 class Result:
-    status: str  # "completed" | "stopped"
+    status: str  # a stops.Status: completed | stopped
     step: int
     run_dir: str
     reason: str | None = None
@@ -205,7 +205,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
         # the write in flight first, then this step's, waited for: the job ends once it is published
         rank0_print(f"stopping at step {step} ({reason}); checkpoint {checkpoints.save(step, wait=True)}")
         tracker.close(timeout=min(run.close_timeout, 10.0))
-        return Result("stopped", step, str(run.run_dir), reason=reason, loss=log.latest.get("loss"),
+        return Result(stops.Status.STOPPED, step, str(run.run_dir), reason=reason, loss=log.latest.get("loss"),
                       data_wait=train_log.data_wait, mlflow_run_id=tracker.run_id)
 
     def run_due(tasks, step: int) -> bool:
@@ -280,8 +280,9 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
     checkpoints.wait()  # a background write of the last step: the run succeeds once it is published
     run_dir = run.run_dir
     weights = run_dir / "model.safetensors"
-    result = Result("completed", step, str(run_dir), loss=log.latest.get("loss"), val_top1=log.latest.get("val_top1"),
-                    weights=str(weights), data_wait=train_log.data_wait, mlflow_run_id=tracker.run_id)
+    result = Result(stops.Status.COMPLETED, step, str(run_dir), loss=log.latest.get("loss"),
+                    val_top1=log.latest.get("val_top1"), weights=str(weights), data_wait=train_log.data_wait,
+                    mlflow_run_id=tracker.run_id)
     # rank 0's work below reads files, not the group: no rank waits inside a collective meanwhile
     if run.rank == 0:
         sd, model_config = ckpt_lib.read_weights(checkpoints.path(step))

@@ -9,7 +9,7 @@ decides whether the step is one to save), then those after it:
 
     TrainLog        the training window's loss, top-1, lr, throughput, MFU,  (every train.log_every)
                     data_wait
-    Evaluations     the declared evaluators that run before the checkpoint   (pipeline/train/evaluators.py)
+    Evaluations     the declared evaluators that run before the checkpoint   (pipeline/train/evaluations.py)
     ...             tasks the caller adds (build_run(tasks=...))
     Evaluations     the ones that run after it (few-shot, the linear probe)
 

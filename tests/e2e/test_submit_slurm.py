@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.jobs import job_state, outcome, read_errors, read_index, slurm_states, wait
+from launch.jobs import job_state, outcome, read_index, slurm_states, wait
+from pipeline import error_record
 from pipeline.train.checkpoint import complete_checkpoints, tag_for
 from tests.data_prep_fixtures import build_corpus, tree_bytes
 
@@ -72,8 +73,8 @@ def poll(pred, timeout_s: float, what: str, folder: Path | None = None):
         value = pred()
         if value:
             return value
-        if folder is not None and read_errors(folder):
-            raise AssertionError(f"job failed while waiting for {what}: {read_errors(folder)}")
+        if folder is not None and error_record.read(folder):
+            raise AssertionError(f"job failed while waiting for {what}: {error_record.read(folder)}")
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 

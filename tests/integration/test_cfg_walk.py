@@ -36,11 +36,11 @@ def test_the_loop_never_sees_cfg_and_each_part_is_built_once(walk):
     # schedule, patch dropping, EMA, the periodic tasks, the evaluators' tasks) are no room of the walk
     parts = ["pipeline.config.loading", "pipeline.tracking.setup", "pipeline.weights", "pipeline.train.engine"]
     assert all(rooms.count(p) == 1 for p in parts), {p: rooms.count(p) for p in parts}
-    assert not {"pipeline.data.mixing", "pipeline.train.schedule", "pipeline.train.evaluators"} & set(rooms)
+    assert not {"pipeline.data.mixing", "pipeline.train.schedule", "pipeline.train.evaluations"} & set(rooms)
     # the train loader (source -> synthetic -> source), then the val loader its classify evaluator builds
     assert rooms.count("pipeline.data.source") == 4 and rooms.count("pipeline.data.synthetic") == 2
     # the declared evaluators are read once, from the builder (the old keys as entries: run_entries)
-    assert rooms.count("pipeline.eval.evaluators") == 1
+    assert rooms.count("pipeline.eval.declared") == 1
     s = cfg_walk.score(rooms, moves)
     # 6 climbs before evaluators were declared: + the entries the builder reads, + the val loader, which
     # the classify evaluator asks for on its own (no longer in one call with the train loader), + the

@@ -19,10 +19,10 @@ from launch.attempts import (
     first_dead_task,
     read_events,
 )
-from launch.preempt import nccl_debug_env, term_cause
+from launch.job_body import nccl_debug_env, term_cause
 from launch.submit import load_submit_config, slurm_parameters
+from pipeline.errors import retried
 from pipeline.slurm import parse_term_cause
-from pipeline.stops import retried
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
@@ -120,7 +120,7 @@ def test_an_out_of_memory_rank_is_requeued_with_half_the_micro_batch_until_it_ca
     spending cluster.max_failures=0), the next attempt's job body reads it back; at 1 the job fails."""
     import torch
 
-    from launch.preempt import write_error
+    from pipeline.error_record import write_error
     from pipeline.stops import after_oom, micro_batch_now, out_of_memory
 
     assert out_of_memory(torch.OutOfMemoryError("x")) and out_of_memory(torch.cuda.OutOfMemoryError("x"))

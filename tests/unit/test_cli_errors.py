@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from launch.cli import COMMANDS, main, run_command
-from pipeline.stops import exit_code
+from pipeline.errors import exit_code
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
@@ -85,7 +85,7 @@ def test_a_bug_keeps_its_traceback():
         run_command(bug, [])
 
 
-# The project's errors and their exit codes: each class says its own (pipeline.stops.Classified)
+# The project's errors and their exit codes: each class says its own (pipeline.errors.Classified)
 EXIT_CODES = (
     ("pipeline.train.loop", "NonFiniteLoss", 1),  # the run started and failed
     ("data_prep.shards", "WorkerDied", 1),

@@ -72,7 +72,7 @@ def test_training_loop_agreement_and_window_stay_on_the_device(meta_group, monke
 
 
 def test_eval_loop_collectives_stay_on_the_device(meta_group, monkeypatch):
-    from pipeline.eval import classify as cl
+    from pipeline.eval import loop as cl
     from pipeline.model import build_vit
 
     seen, recording = meta_group
@@ -88,7 +88,7 @@ def test_eval_loop_collectives_stay_on_the_device(meta_group, monkeypatch):
 
 
 def test_labels_are_checked_on_the_host_before_any_copy():
-    from pipeline.eval.classify import classify
+    from pipeline.eval.loop import classify
     from pipeline.model import build_vit
 
     model = build_vit(width=16, depth=1, heads=2, mlp_dim=32, patch=4, img_size=8, num_classes=3)

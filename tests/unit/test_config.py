@@ -76,6 +76,22 @@ def test_batch_divisibility():
     assert "train.micro_batch: 64 is larger than train.global_batch 32" == error_of(["train.micro_batch=64"])
 
 
+def test_batch_layout_exact_and_planned():
+    """One arithmetic: the run's layout refuses a split that does not divide; the plan's floors it."""
+    from pipeline.config.batch import BatchLayout
+
+    cfg = load_config(TINY, ["train.global_batch=32", "train.micro_batch=4"])
+    ok = BatchLayout.of(cfg.train, 2)
+    assert (ok.accumulation, ok.per_rank) == (4, 16)
+    with pytest.raises(ConfigError, match="^train.global_batch: 32 is not divisible by world size 3 x "):
+        BatchLayout.of(cfg.train, 3)
+    loose = BatchLayout.planned(cfg.train, 3)
+    assert (loose.accumulation, loose.per_rank) == (2, 10)  # 32 // 12, 32 // 3
+    assert BatchLayout.planned(cfg.train, 16).accumulation == 0  # micro batch 4 > 2 images per rank
+    with pytest.raises(ConfigError, match="world size must be >= 1; got 0"):
+        BatchLayout.planned(cfg.train, 0)
+
+
 def test_patch_must_divide_image():
     assert error_of(["model.img_size=30"]) == "model.img_size: 30 is not divisible by the patch size 4"
     msg = error_of(["model.img_size=230"], path=ROOT / "configs/pretrain/vit_b16.yaml")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
-from pipeline.config import DataCfg
+from pipeline.config import ConfigError, DataCfg
 from pipeline.data.augment import DecodeError, EvalTransform, TrainTransform, inception_crop_box
 from pipeline.data.loader import DataError, EvalLoader, TrainLoader, normalize
 from pipeline.data.mixing import Mixer
@@ -201,7 +201,7 @@ def _status(pid: int) -> dict[str, str]:
 
 def test_clear_errors(data, tmp_path):
     cfg, _ = data
-    with pytest.raises(DataError, match="not divisible"):
+    with pytest.raises(ConfigError, match="not divisible"):
         loader(cfg, global_batch=12)
     with pytest.raises(DataError, match="no split 'test'"):
         loader(cfg, split="test")

@@ -305,7 +305,7 @@ def test_compiled_blocks_stay_within_their_variants_and_say_when_one_falls_back(
     guards decide them, whatever backend compiles the graphs): a backend that runs the graphs as they
     are and counts them keeps this test to seconds, where inductor takes two minutes on a cold cache
     (the tiny run measured with inductor made the same entries: the README's GPU section)."""
-    from pipeline.eval.classify import classify
+    from pipeline.eval.loop import classify
     from pipeline.model import build_vit, draw_keep
     from pipeline.train import compiled
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from pipeline.config import DataCfg, EvalCfg
-from pipeline.eval.classify import classify, write_artifacts, write_results
 from pipeline.eval.evaluators import Context, prelogits, score_model
+from pipeline.eval.loop import classify, write_artifacts, write_results
 from pipeline.eval.task import Task
 from pipeline.model import build_vit
 from pipeline.weights import WeightsError as TransferError

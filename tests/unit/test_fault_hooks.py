@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import sys
-from launch.preempt import install_stop_handlers
+from launch.job_body import install_stop_handlers
 from pipeline import faults
 from pipeline import stops
 install_stop_handlers()

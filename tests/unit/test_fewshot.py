@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.eval.fewshot import (
+from pipeline.eval.linear import (
     BIAS_CONSTANT,
     fewshot_accuracy,
     format_fewshot,
@@ -188,7 +188,7 @@ def _reference_fewshot_scores(xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray,
 @pytest.mark.parametrize("n_per_class,dim", [(25, 8), (2, 64)], ids=["primal N>=D", "dual N<D"])
 def test_fewshot_default_l2_agrees_with_an_independent_numpy_reference(n_per_class, dim):
     from pipeline.config.sections import EvalCfg
-    from pipeline.eval.fewshot import FEWSHOT_L2, ridge_predict
+    from pipeline.eval.linear import FEWSHOT_L2, ridge_predict
 
     assert FEWSHOT_L2 == 2.0 ** 10 == EvalCfg().fewshot_l2  # big_vision's, everywhere by default
     rng = np.random.default_rng(7)
@@ -211,7 +211,7 @@ def test_fewshot_default_l2_agrees_with_an_independent_numpy_reference(n_per_cla
 
 
 def test_probe_l2_is_chosen_on_held_out_rows():
-    from pipeline.eval.fewshot import choose_probe_l2
+    from pipeline.eval.linear import choose_probe_l2
 
     rng = np.random.default_rng(3)
     y = np.repeat(np.arange(3), 20)

@@ -12,8 +12,9 @@ Layers, top to bottom:
     pipeline.weights, .train, .eval, .data, .plan, .tracking   the library
     pipeline.distributed, .config, .model, .files, .driver, .secrets, .rundir   the ground floor
 data_prep/ is offline and stands apart: no torch. A few modules are shared across that line, both ways:
-    data_prep -> pipeline.files (atomic_write), pipeline.faults (the test-fault seam): standard library
-                 only at import time, so data_prep stays torch-free; pipeline.config.prep (prep's one
+    data_prep -> pipeline.files (atomic_write), pipeline.faults (the test-fault seam), pipeline.stops,
+                 pipeline.errors (the error base): standard library only at import time, so data_prep
+                 stays torch-free; pipeline.config.prep (prep's one
                  schema, which `vitp prep` and `vitp submit prep` parse into): pydantic, no torch
     pipeline  -> data_prep.schema (_info.json), data_prep.tar (tar reader), data_prep.images (decode
                  helpers): data_prep's torch-free library modules, never its commands
@@ -45,12 +46,14 @@ LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data
            "pipeline.tracking")
 GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeline.model", "pipeline.files",
           "pipeline.driver", "pipeline.secrets", "pipeline.rundir", "pipeline.threads", "pipeline.stops",
-          "pipeline.slurm", "pipeline.hang")
+          "pipeline.slurm", "pipeline.hang", "pipeline.error_record", "pipeline.errors")
 # faults is a library module (its pause gate reads the stop request, pipeline.stops) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
-DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults", "pipeline.stops", "pipeline.config.prep"}
+DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults", "pipeline.stops", "pipeline.errors",
+                        "pipeline.config.prep"}
 STDLIB_ONLY = {"pipeline/files.py": set(), "pipeline/faults.py": {"pipeline.files", "pipeline.stops", "pipeline.slurm"},
-               "pipeline/stops.py": set(), "pipeline/slurm.py": {"pipeline.stops"}}  # + what they may import
+               "pipeline/stops.py": set(), "pipeline/errors.py": set(),
+               "pipeline/slurm.py": {"pipeline.stops"}}  # + what they may import
 # data_prep.store: every dataset address (folder, s3://, gs://, https://) is read through it
 PIPELINE_MAY_IMPORT = {"data_prep.schema", "data_prep.tar", "data_prep.images", "data_prep.store"}
 
@@ -127,7 +130,7 @@ def shared_violations(rel: str, names: set[str], top_level: set[str]) -> list[st
         out += [f"{rel} imports {n} (data_prep may use only {', '.join(sorted(DATA_PREP_MAY_IMPORT - {'pipeline'}))})"
                 for n in sorted(names) if n.split(".")[0] == "pipeline"
                 and n not in DATA_PREP_MAY_IMPORT
-                and not n.startswith(("pipeline.files.", "pipeline.faults.", "pipeline.stops.",
+                and not n.startswith(("pipeline.files.", "pipeline.faults.", "pipeline.stops.", "pipeline.errors.",
                                       "pipeline.config.prep."))]
     if rel.startswith("pipeline/"):
         out += [f"{rel} imports {n} (pipeline may use only {', '.join(sorted(PIPELINE_MAY_IMPORT))} of data_prep)"

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.jobs import GONE, job_state, outcome, read_errors, slurm_states, wait
-from launch.preempt import error_line, write_error
+from launch.jobs import GONE, job_state, outcome, slurm_states, wait
+from pipeline import error_record
 from pipeline.data.shards import DataError
+from pipeline.error_record import error_line, write_error
 
 
 def fake_slurm(tmp_path: Path, monkeypatch, squeue_lines: str = "", squeue_rc: int = 0, sacct: bool = False) -> None:
@@ -55,7 +56,7 @@ def test_forgotten_slurm_job_ends_the_wait_with_its_error(tmp_path, monkeypatch)
     failed = entry(tmp_path / "77")
     write_error(tmp_path / "77", 1, DataError("s/_info.json: not found"))
     write_error(tmp_path / "77", 0, RuntimeError("Connection closed by peer"))  # later: a consequence
-    assert [e["rank"] for e in read_errors(tmp_path / "77")] == [1, 0]
+    assert [e["rank"] for e in error_record.read(tmp_path / "77")] == [1, 0]
     killed = entry(tmp_path / "78", "78")  # left nothing at all
     done = entry(tmp_path / "79", "79")
     (tmp_path / "79" / "result.json").write_text(json.dumps({"status": "completed", "step": 6}))
@@ -106,3 +107,15 @@ def test_outcome_needs_both_scheduler_and_stage(tmp_path, status):
         (tmp_path / "j" / "result.json").write_text(json.dumps({"status": status, "step": 2}))
     assert outcome(e, "COMPLETED")[0] is bool(status)
     assert outcome(e, "NODE_FAIL")[0] is False
+
+
+def test_the_error_record_has_one_writer_and_one_reader():
+    """pipeline/error_record.py is the only code that names the record's file: a second writer or reader
+    (the job body's, the hang watchdog's, `vitp jobs`', the batch script's were four) fails here."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    naming = re.compile(r"error\.(\{|\*)")
+    found = sorted(p.relative_to(root).as_posix() for d in ("pipeline", "launch", "data_prep")
+                   for p in (root / d).rglob("*.py") if naming.search(p.read_text(encoding="utf-8")))
+    assert found == ["pipeline/error_record.py"]

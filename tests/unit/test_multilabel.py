@@ -16,7 +16,7 @@ from data_prep.sources import list_source
 from pipeline.config import DataCfg
 from pipeline.data.loader import EvalLoader, TrainLoader, read_info
 from pipeline.data.mixing import Mixer
-from pipeline.eval.classify import average_precision, classify_multilabel
+from pipeline.eval.loop import average_precision, classify_multilabel
 from pipeline.train.loss import loss_fn, top1_hits
 from tests.multilabel_data import BAD_ROWS, COLOURS, stripes_manifest
 

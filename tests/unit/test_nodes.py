@@ -24,10 +24,10 @@ from launch.attempts import (
 )
 from launch.jobs import append_index, read_index
 from launch.nodes import Fault, carry_over, error_fault, find_fault, leave_out, nodes_left_problem, partition_nodes
-from launch.preempt import error_line
 from launch.submit import load_submit_config, slurm_parameters
 from pipeline import faults, slurm, stops
 from pipeline.config import ConfigError
+from pipeline.error_record import error_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs/pretrain/tiny_cpu.yaml")
@@ -75,7 +75,7 @@ def test_the_fault_seam_raises_a_cuda_error_on_the_chosen_node_on_the_first_atte
     faults.hit("step", 2)  # another step: nothing
     with pytest.raises(RuntimeError) as e:
         faults.hit("step", 3)
-    assert error_fault(error_line(e.value)) == "CUDA error"  # the record launch/preempt.py writes of it
+    assert error_fault(error_line(e.value)) == "CUDA error"  # the record launch/job_body.py writes of it
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     faults.hit("step", 3)  # the requeued attempt runs through
 

@@ -9,8 +9,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from pipeline.config import ConfigError, DataCfg, load_config
-from pipeline.eval.classify import classify
 from pipeline.eval.evaluators import Context, prelogits
+from pipeline.eval.loop import classify
 from pipeline.eval.task import Task
 from pipeline.model import build_vit, draw_keep, kept_patches, train_step_flops, vit_forward_flops
 from pipeline.train.patchdrop import PatchDrop

@@ -110,3 +110,19 @@ def test_submit_config_carries_the_schema():
     cfg = PrepConfig(prep=_through_submit(["--quality", "70", "--shard-size", "1GB"]))
     again = PrepConfig.model_validate(json.loads(cfg.model_dump_json()))
     assert again.prep == cfg.prep and again.prep.quality == 70
+
+
+def test_flags_help_and_defaults_come_from_the_schema():
+    """Each flag is made from its PrepCfg field: its name, --help text and (through the schema) default;
+    the image options prep stores with default to the same values."""
+    from data_prep.images import ImageOptions
+    from pipeline.config.prep import flag
+
+    opts = _options(vitp_prep_parser())
+    for name, field in PrepCfg.model_fields.items():
+        action = opts[field.json_schema_extra["cli"]["flag"] or flag(name)]
+        assert (action.dest, action.help, action.default) == (name, field.description, None), name
+    assert PrepCfg.model_fields["quality"].description.endswith("(default 90)")
+    assert ImageOptions.of(PrepCfg()) == ImageOptions()
+    cfg = _through_prep(["--quality", "70", "--max-pixels", "1000000", "--resize-longer", "64", "--no-keep-original"])
+    assert ImageOptions.of(cfg) == ImageOptions(resize_longer=64, quality=70, max_pixels=1_000_000, keep_original=False)

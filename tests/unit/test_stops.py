@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipeline import stops
+from pipeline import errors, stops
 from pipeline.stops import Next, Outcome, Stop
 
 
@@ -43,7 +43,7 @@ def test_after_failure():
 
 
 def test_errors_classified_by_class_not_name():
-    class Mine(stops.Classified, RuntimeError):
+    class Mine(errors.Classified, RuntimeError):
         exit_code, retry = 1, False
 
     class Sub(Mine):
@@ -52,7 +52,7 @@ def test_errors_classified_by_class_not_name():
     class RunDirBusy(RuntimeError):  # a name alone says nothing
         pass
 
-    assert (stops.exit_code(Mine()), stops.retried(Mine())) == (1, False)
-    assert (stops.exit_code(Sub()), stops.retried(Sub())) == (2, False)  # the most specific class that says
-    assert stops.exit_code(RunDirBusy()) is None and stops.retried(RunDirBusy())
-    assert not stops.retried(ModuleNotFoundError("x")) and stops.retried(OSError("stale file handle"))
+    assert (errors.exit_code(Mine()), errors.retried(Mine())) == (1, False)
+    assert (errors.exit_code(Sub()), errors.retried(Sub())) == (2, False)  # the most specific class that says
+    assert errors.exit_code(RunDirBusy()) is None and errors.retried(RunDirBusy())
+    assert not errors.retried(ModuleNotFoundError("x")) and errors.retried(OSError("stale file handle"))

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from launch.attempts import batch_lines
-from launch.preempt import job_dist_env
+from launch.job_body import job_dist_env
 from launch.submit import (
     SubmitError,
     check_cluster,
@@ -233,7 +233,7 @@ SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", 
 @pytest.mark.parametrize("restart", [0, 1])
 def test_dist_env_from_slurm_variables_agrees_with_the_job_launcher(restart):
     """A task started by srun alone (no launcher variables) reads rank/world/master from SLURM_*; a task
-    started by submitit derives them in launch.preempt.job_dist_env. For the same job they must agree,
+    started by submitit derives them in launch.job_body.job_dist_env. For the same job they must agree,
     the port above all: ranks that derive different ports never meet."""
     from pipeline.distributed import dist_env
 

@@ -1,5 +1,5 @@
 """``type: classify``: the model's own head on ``split``, through the one eval loop
-(pipeline/eval/classify.py), each sample once over the ranks.
+(pipeline/eval/loop.py), each sample once over the ranks.
 
     -> {<prefix>top1, top5, loss, n, images_per_s} on single-label data;
        {<prefix>prec1, loss, n, images_per_s} (+ mAP with the report) on multi-label data
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.eval.classify import classify, classify_multilabel, write_artifacts
 from pipeline.eval.evaluators import Evaluator
+from pipeline.eval.loop import classify, classify_multilabel, write_artifacts
 from pipeline.files import write_json
 
 

@@ -5,7 +5,7 @@ pre-training (closed-form ridge regression; its Figures 5, 6 and 8), as big_visi
     built (once)
         the train split's labels: each rank reads the ``.cls`` of every W-th shard (tar headers and
         label bytes, no image), one all_gather_object joins them; the k-shot subsets of
-        pipeline/eval/fewshot.py's one definition (per seed, per class a permutation seeded by it,
+        pipeline/eval/linear.py's one definition (per seed, per class a permutation seeded by it,
         its first k: nested; a k some class cannot supply is skipped, said once). The images read
         are the union over seeds of the largest subsets.
     run
@@ -30,7 +30,7 @@ from pipeline import faults
 from pipeline.config import ConfigError, Section
 from pipeline.config.sections import Float, Int, List
 from pipeline.distributed import all_gather_object, gather_object, rank0_print, wait_for_rank0
-from pipeline.eval import fewshot as fs
+from pipeline.eval import linear as fs
 from pipeline.eval.evaluators import Evaluator, prelogits
 
 

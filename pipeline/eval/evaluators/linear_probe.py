@@ -1,5 +1,5 @@
 """``type: linear_probe``: multinomial logistic regression on the frozen pre-logit features of
-``train_split`` (whitened, full-batch L-BFGS: pipeline/eval/fewshot.py), scored on ``test_split``.
+``train_split`` (whitened, full-batch L-BFGS: pipeline/eval/linear.py), scored on ``test_split``.
 
     options: max_train_images (in all, over every rank; default all), l2 (default: chosen),
              l2_grid [1e-5 .. 1e-1], holdout_fraction 0.2, seed 0
@@ -21,7 +21,7 @@ from pydantic import Field
 from pipeline.config import ConfigError, Section
 from pipeline.config.sections import Float, Int, List
 from pipeline.distributed import gather_object, wait_for_rank0
-from pipeline.eval import fewshot as fs
+from pipeline.eval import linear as fs
 from pipeline.eval.evaluators import Evaluator, prelogits
 
 

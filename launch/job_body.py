@@ -44,9 +44,11 @@ from launch import nodes
 from launch.attempts import Elastic, append_event, count, read_events
 from pipeline import faults, hang, slurm, stops
 from pipeline.distributed import DistEnv, export_env, leave_process_group, setup
+from pipeline.error_record import write_error
+from pipeline.errors import Classified
 from pipeline.files import write_json
 from pipeline.network import rendezvous_port
-from pipeline.stops import Next, Outcome, Stop
+from pipeline.stops import Next, Outcome, Status, Stop
 
 # Stages whose loop polls pipeline.stops every step and saves collectively when asked.
 COOPERATIVE = {"pretrain", "transfer"}
@@ -54,8 +56,8 @@ STAGE_TARGETS = {
     "pretrain": "pipeline.pretrain:pretrain",
     "transfer": "pipeline.transfer:transfer",
     "eval": "pipeline.evaluate:evaluate",
-    "prep": "launch.preempt:run_prep",
-    "decontam": "launch.preempt:run_decontam",
+    "prep": "launch.job_body:run_prep",
+    "decontam": "launch.job_body:run_decontam",
 }
 
 
@@ -69,7 +71,7 @@ def stage_schema(stage: str):
 CANCEL_MARK = "cancel-requested"  # written by `vitp cancel` before scancel
 
 
-class RequeueLimitError(stops.Classified, RuntimeError):
+class RequeueLimitError(Classified, RuntimeError):
     """Stopped for a requeue, but cluster.max_requeues is used up."""
 
     retry = False
@@ -180,28 +182,6 @@ def _write_result(folder: Path, summary: dict) -> None:
     write_json(folder / "result.json", summary)
 
 
-def error_line(e: BaseException) -> str:
-    """The error's last line, e.g. "DataError: x/_info.json: not found" (a multi-line message: its last)."""
-    lines = str(e).strip().splitlines()
-    if not lines:
-        return type(e).__name__
-    return f"{type(e).__name__}: {lines[-1].strip()}" if len(lines) == 1 else f"{type(e).__name__}: ... {lines[-1]}"
-
-
-def write_error(folder: Path, rank: int, e: BaseException, micro_batch: int | None = None) -> None:
-    """``error.<rank>.json``: this rank's stage raised. `vitp submit --wait`, `vitp jobs` and outcome()
-    read it, so a failed job ends the wait with its error even where no scheduler remembers the job. An
-    out-of-memory error also records the ``micro_batch`` it ran at (launch/attempts.py halves it)."""
-    from pipeline.secrets import redact  # an error text may quote a URI with its credentials
-
-    oom = {"oom": True, "micro_batch": micro_batch} if stops.out_of_memory(e) and micro_batch else {}
-    try:
-        write_json(folder / f"error.{rank}.json", {"rank": rank, "restart": slurm.restart_count(), "time": time.time(),
-                                                   "error": redact(error_line(e)), "retry": stops.retried(e), **oom})
-    except OSError as oe:  # the record is a courtesy; the exception itself must still propagate
-        print(f"vitp: could not write {folder}/error.{rank}.json ({oe})", file=sys.stderr, flush=True)
-
-
 def resolve_target(target: str):
     module, func = target.split(":")
     return getattr(importlib.import_module(module), func)
@@ -214,7 +194,7 @@ def run_prep(cfg, *, source: str, out: str, shard_ranges: list, task: int = 0) -
 
     a, b = shard_ranges[task]
     summary = prep(source, out, cfg.prep, shard_range=(a, b), progress=False)
-    return {"status": "completed", "task": task, "shard_range": [a, b],
+    return {"status": Status.COMPLETED, "task": task, "shard_range": [a, b],
             **{k: v for k, v in summary.items() if k in ("shards_written", "shards_skipped", "complete")}}
 
 
@@ -284,7 +264,7 @@ class StageJob:
         leave_process_group()  # every rank returned; what follows synchronises through files
         summary = {"stage": self.stage, "job_id": str(job_env.job_id), "world_size": d.world_size,
                    "restarts": slurm.restart_count(), **_plain(result)}
-        if summary.get("status") == "stopped":
+        if summary.get("status") == Status.STOPPED:
             self._after_stop(summary, cfg, d, folder, job_env)
         if d.is_rank0:
             _write_result(folder, summary)

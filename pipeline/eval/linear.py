@@ -7,7 +7,7 @@ to {-1, 1} one-hot targets in closed form (l2 = 2^10), and report the accuracy o
 on the test set. Repeated over ``seeds`` (3) nested draws of the training images; the result is mean
 ± std over the draws.
 
-One definition of the draws serves the in-run evaluators (pipeline/train/evaluators.py) and `vitp
+One definition of the draws serves the in-run evaluators (pipeline/train/evaluations.py) and `vitp
 eval` (:func:`shot_subsets`): seed s permutes each class's training positions with a generator seeded
 s, and its k-shot subset is the first k of each permutation (nested across k within a seed). Both
 compute the metrics with :func:`fewshot_accuracy` and name them with :func:`fewshot_metrics`

@@ -485,11 +485,16 @@ def new_gloo_group():
 
 def any_rank(flag: bool, group=None) -> bool:
     """Collective: whether ``flag`` is true on any rank (a host tensor; ``group`` a gloo group, default
-    the side group)."""
+    the side group). A ``group`` given while no process group exists (the training thread left it, an
+    error having ended the stage, while a writer thread still runs) raises: its own flag is no answer
+    for every rank, and a writer taking it for one published a checkpoint a dead rank never wrote."""
     import torch
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    alive = dist.is_available() and dist.is_initialized()
+    if group is not None and not alive:
+        raise RuntimeError("the process group is gone: the ranks cannot agree any more")
+    if not alive or dist.get_world_size() == 1:
         return flag
     t = torch.tensor([float(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group or _SIDE_GROUP)

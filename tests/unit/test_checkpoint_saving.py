@@ -130,3 +130,16 @@ def test_a_node_without_room_for_the_snapshots_writes_inline_and_says_so(monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["warning: checkpoint.async: this node has 1.0 GiB of host memory free, its 8 rank(s) need 1.4 GiB "
                    "for checkpoint snapshots; checkpoints are written inline (training waits for each save)"]
+
+
+def test_a_writer_whose_process_group_is_gone_publishes_nothing(tmp_path):
+    """An error ends the stage and the training thread leaves the process group while rank 0's writer
+    still runs: the writer cannot learn whether every rank wrote its files, so it does not publish
+    (it once took its own "no failure" for every rank's and published a checkpoint without rank 1's)."""
+    m = CheckpointManager(tmp_path, None, {}, every=2, last_step=10, keep=1)
+    m._group = object()  # noqa: SLF001 - the writers' gloo group of a process group that no longer exists
+    tmp, final = tmp_path / "checkpoints" / "tmp-step-00000004", tmp_path / "checkpoints" / "step-00000004"
+    tmp.mkdir(parents=True)
+    (tmp / "vitp_rank0.pt").write_bytes(b"rank 0's part")
+    m._writer.run(lambda: m._write(4, [], tmp, final, {"step": 4}), inline=True)  # noqa: SLF001
+    assert "process group is gone" in m._writer.error and not final.exists()  # noqa: SLF001

@@ -51,13 +51,20 @@ if [ "$streams" = 2 ]; then
   trap 'kill "${cluster_pid:-}" 2>/dev/null; cleanup; rm -rf "$tmp"' EXIT
   VITP_TEST_STREAM=cluster "$PY" -m pytest --basetemp "$tmp/cluster" "$@" >"$tmp/cluster.log" 2>&1 &
   cluster_pid=$!
-  VITP_TEST_STREAM=rest "$PY" -m pytest --basetemp "$tmp/rest" "$@"
-  rc_rest=$?
+  VITP_TEST_STREAM=rest "$PY" -m pytest --basetemp "$tmp/rest" "$@" 2>&1 | tee "$tmp/rest.log"
+  rc_rest=${PIPESTATUS[0]}
   wait "$cluster_pid"
   rc_cluster=$?
   echo
   echo "=== the cluster stream (SLURM tests, one after another, and the tests that start no ranks), run beside the above ==="
   cat "$tmp/cluster.log"
+  # a log shows its tail only: what failed in either stream, and each stream's count, last
+  echo
+  echo "=== both streams' outcomes ==="
+  for st in rest cluster; do
+    grep -E "^(FAILED|ERROR) " "$tmp/$st.log" | sed "s/^/$st: /"
+    grep -E "^=+ .*(passed|failed|error|no tests ran).* in [0-9.]+s" "$tmp/$st.log" | tail -1 | sed "s/^/$st: /"
+  done
   # one stream may select nothing (a path given that is all in the other): 5 only when both ran nothing
   if [ $rc_rest = 5 ] && [ $rc_cluster = 5 ]; then rc=5
   elif [ $rc_rest != 0 ] && [ $rc_rest != 5 ]; then rc=$rc_rest

@@ -43,7 +43,7 @@ from .plan import (
     shard_names,
     write_or_check_plan,
 )
-from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards
+from .schema import CLASSES_FILE, FORMAT_VERSION, INFO_FILE, DatasetInfo, SplitShards, read_exclusions, with_exclusions
 from .shards import shard_done, use_near, write_shards
 from .sources import open_source
 from .testsets import build_index, check_test_sets, read_index, write_index
@@ -124,7 +124,7 @@ def prep(
             written += write_shards(out, index["root"], opts, todo, plan_id, workers, progress)
         skipped += len(batch) - len(todo)
     info = finalize(out)
-    if info is not None and info.decontaminated and info.decontaminated["rejected"]:
+    if info is not None and info.decontaminated and info.decontaminated.get("rejected"):
         rejects = [json.loads(line) for line in store.read_file(out, REJECTS_FILE).decode("utf-8").splitlines()]
         write_sheet(out, index["root"], rejects, cfg.exclude_near, cfg.near_threshold)
     seconds = time.perf_counter() - t0
@@ -231,7 +231,9 @@ def finalize(out: str | os.PathLike) -> DatasetInfo | None:
         multi_label=bool(index.get("multi_label")), plan_id=plan_id, num_inputs=index["num_inputs"],
         num_rejects=len(rejects), rejects_by_reason=dict(sorted(by_reason.items())), seed=index["seed"],
         image_options=index["image_options"], format_version=FORMAT_VERSION, digest=plan_id,
-        decontaminated=_decontaminated(index.get("decontaminated"), rejects),
+        # with the sets `vitp decontam` checked after an earlier run, so a rerun keeps _info.json and
+        # _exclude.json in agreement
+        decontaminated=with_exclusions(_decontaminated(index.get("decontaminated"), rejects), read_exclusions(out)),
     )
     lines = "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in rejects)
     store.write_file(out, REJECTS_FILE, lines.encode("utf-8"))

@@ -1,7 +1,8 @@
 """`vitp decontam OUT --exclude-near TEST ...`: check a finished prep output against test sets chosen
 after it was made, from the signatures prep stored beside each shard (``<shard>_sig.npz``; no image
 is read or decoded), and write ``OUT/_exclude.json``, the samples every loader then leaves out
-(pipeline/data/shards.py: read_info) without the shards being rewritten.
+(pipeline/data/shards.py: read_info) without the shards being rewritten, and add its test sets to
+``OUT/_info.json``'s ``decontaminated`` block, marked as checked after prep (schema.with_exclusions).
 
 ``_exclude.json`` (``version``: EXCLUDE_VERSION): the signature, its version and the threshold, per test set its address
 without secrets, image count, digest, the training samples it excluded (``rejected``) and the distinct
@@ -34,7 +35,7 @@ from PIL import Image
 from . import store
 from .images import to_rgb_array
 from .near import signature
-from .schema import EXCLUDE_FILE, EXCLUDE_VERSION, IMAGE_EXTS, INFO_FILE, DatasetInfo
+from .schema import EXCLUDE_FILE, EXCLUDE_VERSION, IMAGE_EXTS, INFO_FILE, DatasetInfo, info_with_exclusions
 from .shards import signatures_bytes, signatures_name
 from .tar import iter_tar
 from .testsets import build_index, check_test_sets, read_index, write_index
@@ -126,7 +127,20 @@ def write_exclusions(out: str, block: dict, samples: list[dict]) -> dict:
                "excluded": len(samples)}
     doc = {**summary, "samples": sorted(samples, key=lambda s: (s["split"], s["shard"], s["index"]))}
     store.write_file(out, EXCLUDE_FILE, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    show_in_info(out, summary)
     return summary
+
+
+def show_in_info(out: str, summary: dict) -> None:
+    """OUT/_info.json's ``decontaminated`` block with the list's test sets (schema.with_exclusions),
+    written whole in one step (a rename in a folder, one PUT in an object store), and only if it
+    changes: the same sets again leave it as it was. After _exclude.json, so that between the two
+    writes _info.json names the sets of a list no longer there; readers (pipeline/data read_info)
+    take the list's sets from _exclude.json itself, so they see no gap."""
+    text = store.read_file(out, INFO_FILE).decode("utf-8")
+    new = info_with_exclusions(text, summary)
+    if new != text:
+        store.write_file(out, INFO_FILE, new.encode("utf-8"))
 
 
 def decontam(out: str | os.PathLike, test_sets: list[str], splits: list[str] | None, threshold: int,

@@ -77,7 +77,8 @@ class DatasetInfo:
     image_options: dict | None = None
     format_version: int | None = None
     # `vitp prep --exclude-near`: {"signature", "version", "threshold", "splits", "against": [{"address",
-    # "images", "digest", "rejected"}], "rejected"}
+    # "images", "digest", "rejected", "duplicated"}], "rejected"}; after `vitp decontam` also the sets of
+    # its _exclude.json, each marked "by" it, and their "excluded" in all (with_exclusions)
     decontaminated: dict | None = None
     digest: str = field(default="", compare=False)
 
@@ -226,6 +227,41 @@ class _Checker:
     def opt_count(self, obj: dict, key: str, where: str = "") -> int | None:
         value = obj.get(key)
         return None if value is None else self.count(value, f"{where}.{key}" if where else key)
+
+
+AFTER_PREP = "vitp decontam"  # an ``against[]`` entry's ``by``: checked after prep, listed in _exclude.json
+
+
+def with_exclusions(block: dict | None, listed: dict | None) -> dict | None:
+    """_info.json's ``decontaminated`` block with the test sets of ``listed`` (_exclude.json without its
+    ``samples``; None: there is none) as the ones checked after prep, in place of any it held.
+
+    Prep's own keys and ``against[]`` entries stay as prep wrote them (``rejected``: the images it
+    dropped). Each set of the list follows them: its address, images, digest, ``excluded`` (the training
+    samples the list leaves out for it), ``duplicated``, ``splits`` and ``threshold`` (of its check),
+    ``"by": "vitp decontam"`` and the list's version (``exclude_version``); the block's ``excluded`` is their sum (the
+    list's), beside prep's ``rejected``. A prep output made without --exclude-near gets a block of those
+    entries alone (``"rejected": 0``); without a list, prep's block as prep wrote it (None if it had none).
+    """
+    prep = {k: v for k, v in (block or {}).items() if k != "excluded"} if block and "signature" in block else {}
+    if prep:
+        prep["against"] = [a for a in prep.get("against", []) if a.get("by") != AFTER_PREP]
+    if listed is None:
+        return prep or None
+    after = [{**{k: v for k, v in a.items() if k != "rejected"}, "excluded": a["rejected"], "by": AFTER_PREP,
+              "splits": listed.get("splits"), "threshold": listed.get("threshold"),
+              "signature_version": listed.get("signature_version"), "exclude_version": listed["version"]}
+             for a in listed.get("against", [])]
+    return {"rejected": 0, **prep, "against": [*prep.get("against", []), *after], "excluded": listed["excluded"]}
+
+
+def info_with_exclusions(text: str, listed: dict | None) -> str:
+    """_info.json's text with its ``decontaminated`` block as with_exclusions() makes it, every other key
+    as it was, written as DatasetInfo.to_json writes (the same block gives the same bytes)."""
+    raw = json.loads(text)
+    block = with_exclusions(raw.get("decontaminated"), listed)
+    raw = {k: v for k, v in raw.items() if k != "decontaminated"} | ({"decontaminated": block} if block else {})
+    return json.dumps(raw, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 def read_exclusions(root: str) -> dict | None:

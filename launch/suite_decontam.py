@@ -1,12 +1,12 @@
 """Was each suite dataset's test split among the test sets the pre-training data was checked against?
 
 The checkpoint's manifest names its run's ``data.path``; its DataSource says what it was checked
-against (a prep output: ``_info.json``'s ``decontaminated`` block, `vitp prep --exclude-near`, and
-``_exclude.json``, `vitp decontam`), each a list of test sets (addresses) and the splits taken of
-them. A suite dataset is "yes" when its address is one of them and its test split one of the splits
-taken (no splits given: ``test`` if that test set has one, else all), "no" otherwise, and "" when the
-pre-training data is not known (weights from a file, a manifest without ``data.path``, synthetic data,
-an image folder, data that cannot be read).
+against (a prep output: ``_info.json``'s ``decontaminated`` block, `vitp prep --exclude-near`'s sets and
+`vitp decontam`'s as its ``_exclude.json`` holds them, merged by read_info), each a list of test sets
+(addresses) and the splits taken of them. A suite dataset is "yes" when its address is one of them and
+its test split one of the splits taken (no splits given: ``test`` if that test set has one, else all),
+"no" otherwise, and "" when the pre-training data is not known (weights from a file, a manifest without
+``data.path``, synthetic data, an image folder, data that cannot be read).
 """
 
 from __future__ import annotations

@@ -134,9 +134,9 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
         sp = info.splits[split]
         profile = {"split": split, "num_samples": sp.num_samples, "num_classes": info.num_classes,
                    "num_shards": len(sp.urls)}
-        if getattr(info, "decontaminated", None):  # what prep excluded, against which test sets
+        if getattr(info, "decontaminated", None):  # every set checked: prep's and `vitp decontam`'s, with counts
             profile["decontaminated"] = info.decontaminated
-        if getattr(info, "excluded", None):  # what `vitp decontam` excluded later, against which test sets
+        if getattr(info, "excluded", None):  # the summary of `vitp decontam`'s list (its sets are in the above)
             profile["excluded"] = info.excluded
         out.append({"name": f"{base}/{split}", "digest": info.digest, "source_type": source[0],
                     "source": source[1], "schema": schema, "profile": json.dumps(profile), "context": context})

@@ -403,10 +403,11 @@ class ShardSource(ClassLoaders, DataSource):
             store.check_readable(store.join(self.path, INFO_FILE), key)
 
     def checked_against(self) -> list[tuple[str, list[str] | None]]:
-        """Prep's record (``_info.json``'s ``decontaminated``) and `vitp decontam`'s (``_exclude.json``)."""
-        info = self.read_info()
-        return [(a["address"].rstrip("/"), block.get("splits"))
-                for block in (info.decontaminated, info.excluded) if block for a in block.get("against", [])]
+        """Prep's record and `vitp decontam`'s, as read_info merges them into ``decontaminated`` (each set
+        checked after prep carries its own splits)."""
+        block = self.read_info().decontaminated or {}
+        return [(a["address"].rstrip("/"), a["splits"] if "by" in a else block.get("splits"))
+                for a in block.get("against", [])]
 
     def split_sizes(self) -> dict[str, int]:
         """Shards per split, from ``_info.json`` alone (no shard is listed or counted)."""

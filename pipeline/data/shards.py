@@ -69,7 +69,9 @@ class Info:
     splits: dict[str, SplitInfo] = field(default_factory=dict)
     digest: str = ""  # names this exact content: prep's plan id, else a hash of the description
     multi_label: bool = False  # labels are sets of classes (json "labels"); .cls is the primary one
-    decontaminated: dict | None = None  # `vitp prep --exclude-near`: against which test sets, how many dropped
+    # every test set it was checked against: `vitp prep --exclude-near`'s (how many dropped) and
+    # `vitp decontam`'s (``"by"`` it; how many its list leaves out) (data_prep.schema.with_exclusions)
+    decontaminated: dict | None = None
     excluded: dict | None = None  # `vitp decontam`'s OUT/_exclude.json, its samples left out (without the list)
 
     def split(self, name: str) -> SplitInfo:
@@ -159,8 +161,10 @@ def read_info(path: str | os.PathLike) -> Info:
 def _without_excluded(info: Info) -> Info:
     """The dataset less the samples of its ``_exclude.json`` (`vitp decontam`), if it has one: each split
     cut with ``keep`` (positions count kept samples, so a resumed run reads on exactly where it stopped)
-    and the digest naming the cut, so a run begun before the list was written does not resume into it."""
-    from data_prep.schema import read_exclusions
+    and the digest naming the cut, so a run begun before the list was written does not resume into it.
+    ``decontaminated``: prep's sets and the list's (data_prep.schema.with_exclusions), the latter taken
+    from the list the loader honours, whatever _info.json said of them (the one door for both files)."""
+    from data_prep.schema import read_exclusions, with_exclusions
 
     try:
         doc = read_exclusions(info.path)
@@ -168,8 +172,8 @@ def _without_excluded(info: Info) -> Info:
         raise DataError(str(e)) from None
     except OSError as e:
         raise DataError(f"{store.public(info.path)}/_exclude.json: unreadable ({store.reason(e)})") from None
-    if doc is None:
-        return info
+    if doc is None:  # the sets of a list deleted since (which undoes it) no longer show
+        return dataclasses.replace(info, decontaminated=with_exclusions(info.decontaminated, None))
     gone: dict[tuple[str, str], set[int]] = {}
     for split, shard, i in doc["pairs"]:  # shard: as _info.json names it, so joined as read_info joins it
         gone.setdefault((split, store.join(info.path, shard)), set()).add(i)
@@ -183,7 +187,8 @@ def _without_excluded(info: Info) -> Info:
                                            keep=keep, excluded=tuple(map(_gaps, keep, sp.lengths)))
     summary = {k: v for k, v in doc.items() if k not in ("samples", "pairs")}
     cut = hashlib.sha256(json.dumps(sorted(doc["pairs"])).encode()).hexdigest()[:16]
-    return dataclasses.replace(info, splits=splits, digest=f"{info.digest}-x{cut}", excluded=summary)
+    return dataclasses.replace(info, splits=splits, digest=f"{info.digest}-x{cut}", excluded=summary,
+                               decontaminated=with_exclusions(info.decontaminated, summary))
 
 
 def _gaps(kept: tuple[int, ...], n: int) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
 """On the local SLURM cluster: `vitp submit prep --exclude-near` as an array writes what a single-process
 `vitp prep --exclude-near` writes, byte for byte; the test set is hashed once, by the submitter. So does
-`vitp submit decontam` of what `vitp decontam` writes; a bad test set is one line and nothing queued."""
+`vitp submit decontam` of what `vitp decontam` writes (_exclude.json and _info.json); a bad test set is
+one line and nothing queued."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from data_prep import prep
 from data_prep.decontam import WORK_DIR, decontam
-from data_prep.schema import EXCLUDE_FILE
+from data_prep.schema import EXCLUDE_FILE, INFO_FILE
 from launch.jobs import read_index
 from tests.data_prep_fixtures import tree_bytes
 from tests.e2e.test_prep_store_slurm import RES, cli
@@ -49,3 +50,7 @@ def test_decontam_array_matches_local_decontam(slurm_cluster, sets, tmp_path):  
     assert len(read_index(tmp_path / "jobs")) == 3
     local = (tmp_path / "local" / EXCLUDE_FILE).read_bytes()
     assert (tmp_path / "array" / EXCLUDE_FILE).read_bytes() == local and json.loads(local)["excluded"] == 2
+    # the merging task also wrote the sets into _info.json, as the local run did
+    info = (tmp_path / "local" / INFO_FILE).read_bytes()
+    assert (tmp_path / "array" / INFO_FILE).read_bytes() == info
+    assert json.loads(info)["decontaminated"]["excluded"] == 2

@@ -1,6 +1,7 @@
 """`vitp decontam OUT --exclude-near TEST`: a prep output made without the test sets is checked after the
 fact from the signatures prep stored beside each shard; OUT/_exclude.json lists the near-duplicates and
-every loader leaves exactly those out; the same sets again change nothing; bad input is one line and
+every loader leaves exactly those out and _info.json's decontaminated block names the sets with the
+list's counts; the same sets again change nothing; bad input is one line and
 writes nothing; on an S3 output too."""
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import numpy as np
 
 from data_prep import prep, store
 from data_prep.near import distance
-from data_prep.schema import EXCLUDE_FILE
-from pipeline.data import dataset_inputs
+from data_prep.schema import EXCLUDE_FILE, INFO_FILE
+from pipeline.data import dataset_inputs, source_for
 from pipeline.data.shards import SkipCounts, read_info, read_positions
 from tests.integration.test_prep_decontam import (
     KW,
@@ -43,6 +44,20 @@ def _key_map(out) -> dict[str, str]:
     return m
 
 
+def _after_block(out, doc: dict) -> dict:
+    """OUT/_info.json's decontaminated block, checked against _exclude.json's ``doc``: prep checked
+    nothing, and each of the list's sets is there, marked as checked after prep, with the list's counts."""
+    block = json.loads(store.read_file(str(out), INFO_FILE))["decontaminated"]
+    assert [{k: a[k] for k in ("address", "images", "digest", "excluded", "duplicated", "splits", "threshold",
+                                "signature_version", "by", "exclude_version")} for a in block["against"]] == [
+        {**{k: a[k] for k in ("address", "images", "digest", "duplicated")}, "excluded": a["rejected"],
+         "splits": doc["splits"], "threshold": doc["threshold"], "signature_version": doc["signature_version"],
+         "by": "vitp decontam", "exclude_version": doc["version"]} for a in doc["against"]]
+    assert (block["rejected"], block["excluded"]) == (0, doc["excluded"])
+    assert sum(a["excluded"] for a in block["against"]) == doc["excluded"]
+    return block
+
+
 def test_decontam_lists_the_copies_and_the_loader_skips_exactly_them(sets, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     prep(sets["train"], out, **KW)
@@ -62,12 +77,26 @@ def test_decontam_lists_the_copies_and_the_loader_skips_exactly_them(sets, tmp_p
     left = _sources(str(out), info)
     assert len(left) == 8 and not {"c0/china_copy.jpg", "c1/flower_copy.png"} & set(left)
     assert info.digest.startswith(json.loads((out / "_info.json").read_text())["plan_id"] + "-x")
+    block = _after_block(out, doc)
+    assert info.decontaminated == block and source_for(str(out)).checked_against() == [
+        (str(sets["china"]), None), (str(sets["flower"]), None)]
     profile = json.loads(dataset_inputs(str(out), {"train": "training"})[0]["profile"])
     assert profile["num_samples"] == 8 and profile["excluded"]["excluded"] == 2
-    # the same sets again: the same bytes
-    before = (out / EXCLUDE_FILE).read_bytes()
+    assert profile["decontaminated"] == block
+    # the same sets again: the same bytes, of both files
+    before = {f: (out / f).read_bytes() for f in (EXCLUDE_FILE, INFO_FILE)}
     assert run_vitp("decontam", out, "--exclude-near", sets["china"], "--exclude-near", sets["flower"]).returncode == 0
-    assert (out / EXCLUDE_FILE).read_bytes() == before
+    assert {f: (out / f).read_bytes() for f in before} == before
+    # another set: its entries replace those of the list before, in both files
+    assert run_vitp("decontam", out, "--exclude-near", sets["flower"]).returncode == 0
+    doc = json.loads((out / EXCLUDE_FILE).read_text())
+    assert doc["excluded"] == 1 and [a["address"] for a in _after_block(out, doc)["against"]] == [str(sets["flower"])]
+    # the reader takes the list's sets from the list the loader honours: an _info.json left behind by an
+    # interrupted run shows what _exclude.json holds, and deleting the list (undoing it) drops them
+    (out / INFO_FILE).write_bytes(before[INFO_FILE])  # as if stopped between writing the two
+    assert [a["address"] for a in read_info(out).decontaminated["against"]] == [str(sets["flower"])]
+    (out / EXCLUDE_FILE).unlink()
+    assert read_info(out).decontaminated is None and source_for(str(out)).checked_against() == []
 
 
 def test_bad_input_is_one_line_and_writes_nothing(sets, tmp_path):  # noqa: F811
@@ -115,7 +144,11 @@ def test_an_s3_output(sets, s3_bucket, tmp_path):  # noqa: F811
     assert s["excluded"] == 1 and s["against"][0]["duplicated"] == 1
     doc = json.loads(store.read_file(out, EXCLUDE_FILE))
     assert [x["split"] for x in doc["samples"]] == ["train"]
-    assert read_info(out).splits["train"].num_samples == 9
+    info = read_info(out)
+    assert info.splits["train"].num_samples == 9 and info.decontaminated == _after_block(out, doc)
+    before = {f: store.read_file(out, f) for f in (EXCLUDE_FILE, INFO_FILE)}
+    decontam(out, [str(sets["china"])], None, 12)
+    assert {f: store.read_file(out, f) for f in before} == before
 
 
 def test_rehash_makes_the_missing_signatures_and_finds_the_same_copies(sets, tmp_path):  # noqa: F811

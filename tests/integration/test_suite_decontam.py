@@ -61,6 +61,17 @@ def test_checked_unchecked_and_unknown_test_splits(tmp_path):
     assert marks(str(ck), ds) == {"pets": "yes", "pets_val": "no", "cifar": "no"}
     decontam(pre, [str(cifar)], None, 12)  # checked after the fact
     assert marks(str(ck), ds) == {"pets": "yes", "pets_val": "no", "cifar": "yes"}
+    # _info.json names both: prep's set as prep wrote it, cifar beside it as checked after prep; a rerun
+    # of the same prep (it writes _info.json again) keeps it so
+    info = (pre / "_info.json").read_bytes()
+    block = json.loads(info)["decontaminated"]
+    assert [(a["address"], a.get("by"), a.get("rejected"), a.get("excluded")) for a in block["against"]] == [
+        (str(pets), None, 0, None), (str(cifar), "vitp decontam", None, 0)]
+    assert (block["rejected"], block["excluded"]) == (0, 0)
+    prep(tmp_path / "train_src", pre, exclude_near=[str(pets)], **KW)
+    assert (pre / "_info.json").read_bytes() == info
+    (pre / "_exclude.json").unlink()  # the list undone: cifar no longer counts as checked
+    assert marks(str(ck), ds) == {"pets": "yes", "pets_val": "no", "cifar": "no"}
     # weights from a file, or a run over synthetic data: nothing to say
     (tmp_path / "w.safetensors").write_bytes(b"")
     assert marks(str(tmp_path / "w.safetensors"), ds) == {"pets": "", "pets_val": "", "cifar": ""}

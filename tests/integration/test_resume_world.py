@@ -3,6 +3,7 @@ loader workers, killed mid-epoch → 1 rank with 1 worker, killed → 2 ranks wi
 of the epoch is read exactly once (the loaders' read records), the losses follow the uninterrupted
 2-rank run within fp32 tolerance, and at each resume the fp32 master weights and Adam's moments equal
 the ones saved, at ZeRO-1, 2 and 3 (the universal conversion restores the optimizer, not only weights).
+The EMA and a periodic few-shot evaluator go on across 2 ranks → 1 from where the 2 ranks left them.
 
 The shards: 160 train images, 5 optimizer steps of 32 an epoch; checkpoints every 2 steps."""
 
@@ -15,8 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from data_prep import prep
 from pipeline.data.loader import read_info, shard_labels
-from tests.integration.test_pretrain import losses, metrics, pretrain, shards  # noqa: F401 (a fixture)
+from pipeline.train.checkpoint import complete_checkpoints
+from tests.integration.test_pretrain import losses, metrics, pretrain, shards, weights  # noqa: F401 (a fixture)
+from tests.multilabel_data import blobs_manifest
 
 pytestmark = pytest.mark.distributed
 EPOCH_STEPS = 5
@@ -86,3 +90,36 @@ def test_two_ranks_one_rank_two_ranks_inside_the_epoch(tiny_reference, shards, t
     for step in (2, 4):  # 2 ranks → 1, 1 → 2
         assert_same_state(torch.load(optim / f"saved-{step}.pt", weights_only=True),
                           torch.load(optim / f"resumed-{step}.pt", weights_only=True), step)
+
+
+@pytest.mark.slow
+def test_ema_and_fewshot_continue_at_another_world_size(shards, tmp_path):  # noqa: F811
+    """optim.ema and a periodic few-shot evaluator across 2 ranks → 1. The average the 1-rank attempt
+    goes on from is the one the 2 ranks saved (once, read by every rank, whatever their number), so
+    the exported average follows the uninterrupted run's; one restarted from the weights at the
+    resume would be off by a quarter of the gap between the saved average and those weights (decay
+    0.5, 2 steps after it). The few-shot evaluator (every 2 steps, after the checkpoint) scores steps
+    2, 4 and 6 once each: step 4, evaluated before the kill, is not evaluated again."""
+    few = tmp_path / "blobs/shards"
+    prep(blobs_manifest(tmp_path / "blobs", 8, 6, shuffle=True), few, split_column="split",
+         max_samples_per_shard=10, progress=False)
+    data = [d for d in shards if not d.startswith("data.workers")]
+    runs = ["optim.ema=0.5", "engine.zero_stage=2", "checkpoint.async=false", "data.workers=1", "checkpoint.keep=5",
+            f"eval.fewshot_data=[blobs={few}]", "eval.fewshot_shots=[1,3]", "eval.fewshot_seeds=2",
+            "train.fewshot_every=2"]
+    whole, moved = tmp_path / "whole", tmp_path / "moved"
+    assert pretrain(whole, *runs, data=data) == 0
+    assert pretrain(moved, *runs, data=data, env={"VITP_TEST_KILL_AT_STEP": "5"}) != 0  # resumes from step 4
+    assert pretrain(moved, *runs, data=data, nprocs=1) == 0
+    assert [r["step"] for r in metrics(moved) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    for run in (whole, moved):
+        assert [r["step"] for r in metrics(run) if "fewshot/seconds" in r] == [2, 4, 6], run.name
+
+    ckpt4 = next(c for c in complete_checkpoints(moved) if c.name == "step-00000004")
+    saved = torch.load(ckpt4 / "vitp_shared.pt", weights_only=True)["states"]["ema"]
+    module = next(torch.load(f, weights_only=False)["module"] for f in ckpt4.rglob("mp_rank_00_model_states.pt"))
+    restart_gap = max(0.25 * (saved[k].float() - module[k].float()).abs().max().item() for k in saved)
+    a, b = weights(whole), weights(moved)
+    assert a.keys() == b.keys() and set(saved) <= set(a)
+    off = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert off < restart_gap / 10, (off, restart_gap)

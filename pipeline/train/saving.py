@@ -124,12 +124,19 @@ class Background:
 
 
 def _lower_priority() -> None:
-    """The writer thread yields the CPU to the training threads (Linux: niceness is per thread)."""
-    if threading.current_thread() is threading.main_thread() or not hasattr(os, "setpriority"):
+    """The writer thread yields the CPU to the training threads (Linux: policy and niceness are per
+    thread): SCHED_IDLE runs it only on a core nothing else wants; where that is refused, niceness 19."""
+    if threading.current_thread() is threading.main_thread():
         return
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):
         pass
 
 

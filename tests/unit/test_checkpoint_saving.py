@@ -2,6 +2,7 @@
 the host-memory check, the minutes cadence's choice of step, the bytes the plan counts."""
 
 import collections
+import os
 import threading
 import time
 
@@ -72,6 +73,18 @@ def test_the_writer_counts_the_cpu_its_thread_took_not_its_waits():
     bg.run(job, inline=False)
     bg.wait()
     assert 0.05 <= bg.cpu_s < 0.15
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_writer_runs_only_on_a_core_training_leaves_idle():
+    """The writer thread's policy is SCHED_IDLE; the thread that started it keeps its own."""
+    seen = {}
+    before = os.sched_getscheduler(0)
+    bg = Background()
+    bg.run(lambda: seen.update(policy=os.sched_getscheduler(threading.get_native_id())), inline=False)
+    bg.wait()
+    assert seen["policy"] == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == before
 
 
 def test_host_room_counts_every_local_rank(monkeypatch):

@@ -241,9 +241,10 @@ def export_main(argv: list[str]) -> int:
                    help="vitp names (safetensors) or timm VisionTransformer names (timm, also safetensors)")
     p.add_argument("out", help="output file, e.g. model.safetensors")
     args = p.parse_args(argv)
+    from pipeline.train.engine import fp32_state_dict
     from pipeline.weights import export
 
-    n = export(args.checkpoint, args.out, args.format)
+    n = export(args.checkpoint, args.out, args.format, consolidate=fp32_state_dict)
     print(f"wrote {args.out}: {n['tensors']} tensors, {n['params'] / 1e6:.2f}M parameters ({args.format})")
     return 0
 
@@ -256,9 +257,10 @@ def inspect_main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="folder for the PNGs")
     args = p.parse_args(argv)
     from pipeline.eval.figures import load_images, write_figures
+    from pipeline.train.engine import fp32_state_dict
     from pipeline.weights import load_model
 
-    model = load_model(args.checkpoint)
+    model = load_model(args.checkpoint, consolidate=fp32_state_dict)
     images = load_images(args.image, model.img_size) if args.image else None
     for path in write_figures(model, args.out, images):
         print(path)

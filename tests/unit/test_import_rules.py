@@ -11,7 +11,8 @@ Layers, top to bottom:
     pipeline.pretrain, pipeline.transfer, pipeline.evaluate       stages: fn(cfg) -> Result
     pipeline.weights, .train, .eval, .data, .plan, .tracking   the library
     pipeline.distributed, .config, .model, .files, .driver, .secrets, .rundir,
-    .checkpoint_layout (which step-* folders count; train writes them, weights and eval read them)
+    .checkpoint_layout (which step-* folders count; train writes them, weights and eval read them),
+    .world (rank and world size from any launcher's variables)
                                                         the ground floor
 data_prep/ is offline and stands apart: no torch. A few modules are shared across that line, both ways:
     data_prep -> pipeline.files (atomic_write), pipeline.faults (the test-fault seam), pipeline.stops,
@@ -48,8 +49,8 @@ LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data
            "pipeline.tracking")
 GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeline.model", "pipeline.files",
           "pipeline.driver", "pipeline.secrets", "pipeline.rundir", "pipeline.threads", "pipeline.stops",
-          "pipeline.slurm", "pipeline.hang", "pipeline.error_record", "pipeline.errors",
-          "pipeline.checkpoint_layout")
+          "pipeline.slurm", "pipeline.hang", "pipeline.error_record", "pipeline.errors", "pipeline.checkpoint_layout",
+          "pipeline.world")
 # faults is a library module (its pause gate reads the stop request, pipeline.stops) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
 DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults", "pipeline.stops", "pipeline.errors",

@@ -119,11 +119,12 @@ def transfer_main(argv: list[str]) -> int:
 # vitp eval (and vitp submit eval: the same flags)
 # --------------------------------------------------------------------------------------------------
 def add_eval_args(p: argparse.ArgumentParser) -> None:
+    from pipeline.data import kinds_help
+
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (pretrain/transfer), a DeepSpeed checkpoint folder, or a weights file "
                         "(vitp .safetensors; timm .pth/.safetensors or JAX .npz need --model)")
-    p.add_argument("--data", required=True, help="a `vitp prep` output or a class-per-folder tree (train/ val/ "
-                                                  "test/): a folder, s3://, gs:// or https:// address")
+    p.add_argument("--data", required=True, help=f"{kinds_help()}; a folder, s3://, gs:// or https:// address")
     p.add_argument("--split", default="val", help="split to score (default: val)")
     p.add_argument("--fewshot", action="store_true", help="few-shot linear evaluation (train split -> --split)")
     p.add_argument("--shots", default="1,5,10,25", help="few-shot shots per class (default: 1,5,10,25)")

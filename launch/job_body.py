@@ -49,6 +49,7 @@ from pipeline.errors import Classified
 from pipeline.files import write_json
 from pipeline.network import rendezvous_port
 from pipeline.stops import Next, Outcome, Status, Stop
+from pipeline.world import place
 
 # Stages whose loop polls pipeline.stops every step and saves collectively when asked.
 COOPERATIVE = {"pretrain", "transfer"}
@@ -97,20 +98,21 @@ def term_cause(job_id: str, folder: Path) -> Stop:
 
 
 def job_dist_env(job_env, engine: dict | None = None, environ=None) -> DistEnv:
-    """Rank/world/master from a submitit JobEnvironment (slurm, local or debug).
+    """Rank/world/master of a task submitit started (slurm, local or debug).
 
-    The master is the allocation's (its first node, a port derived from the job id) unless the
-    config's ``engine.master_addr``/``master_port`` say otherwise: MASTER_ADDR/MASTER_PORT in the
-    environment came from the submitting shell (sbatch exports it) and are stale here.
+    Rank and world are the executor's own variables, read by :func:`pipeline.world.place` (only that
+    executor's: RANK/WORLD_SIZE a submitting shell exported are not this job's). The master is the
+    allocation's (its first node, a port derived from the job id) unless the config's
+    ``engine.master_addr``/``master_port`` say otherwise: MASTER_ADDR/MASTER_PORT in the environment
+    came from the submitting shell (sbatch exports it) and are stale here.
     """
     env = os.environ if environ is None else environ
     engine = engine or {}
-    world = int(job_env.num_tasks)
-    nodes = max(1, int(job_env.num_nodes))
+    p = place(env, launchers=(job_env.cluster,))
     hosts = list(job_env.hostnames) if job_env.cluster == "slurm" else ["127.0.0.1"]
     port = int(engine.get("master_port") or rendezvous_port(str(job_env.job_id), slurm.restart_count(env)))
-    return DistEnv(rank=int(job_env.global_rank), world_size=world, local_rank=int(job_env.local_rank),
-                   local_world_size=max(1, world // nodes), master_addr=engine.get("master_addr") or hosts[0],
+    return DistEnv(rank=p.rank, world_size=p.world_size, local_rank=p.local_rank,
+                   local_world_size=p.local_world_size, master_addr=engine.get("master_addr") or hosts[0],
                    master_port=port, source=job_env.cluster)
 
 

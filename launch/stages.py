@@ -119,11 +119,12 @@ def transfer_main(argv: list[str]) -> int:
 # vitp eval (and vitp submit eval: the same flags)
 # --------------------------------------------------------------------------------------------------
 def add_eval_args(p: argparse.ArgumentParser) -> None:
+    from pipeline.data import kinds_help
+
     p.add_argument("--checkpoint", required=True,
                    help="a run directory (pretrain/transfer), a DeepSpeed checkpoint folder, or a weights file "
                         "(vitp .safetensors; timm .pth/.safetensors or JAX .npz need --model)")
-    p.add_argument("--data", required=True, help="a `vitp prep` output or a class-per-folder tree (train/ val/ "
-                                                  "test/): a folder, s3://, gs:// or https:// address")
+    p.add_argument("--data", required=True, help=f"{kinds_help()}; a folder, s3://, gs:// or https:// address")
     p.add_argument("--split", default="val", help="split to score (default: val)")
     p.add_argument("--fewshot", action="store_true", help="few-shot linear evaluation (train split -> --split)")
     p.add_argument("--shots", default="1,5,10,25", help="few-shot shots per class (default: 1,5,10,25)")
@@ -241,9 +242,10 @@ def export_main(argv: list[str]) -> int:
                    help="vitp names (safetensors) or timm VisionTransformer names (timm, also safetensors)")
     p.add_argument("out", help="output file, e.g. model.safetensors")
     args = p.parse_args(argv)
+    from pipeline.train.engine import fp32_state_dict
     from pipeline.weights import export
 
-    n = export(args.checkpoint, args.out, args.format)
+    n = export(args.checkpoint, args.out, args.format, consolidate=fp32_state_dict)
     print(f"wrote {args.out}: {n['tensors']} tensors, {n['params'] / 1e6:.2f}M parameters ({args.format})")
     return 0
 
@@ -256,9 +258,10 @@ def inspect_main(argv: list[str]) -> int:
     p.add_argument("--out", required=True, help="folder for the PNGs")
     args = p.parse_args(argv)
     from pipeline.eval.figures import load_images, write_figures
+    from pipeline.train.engine import fp32_state_dict
     from pipeline.weights import load_model
 
-    model = load_model(args.checkpoint)
+    model = load_model(args.checkpoint, consolidate=fp32_state_dict)
     images = load_images(args.image, model.img_size) if args.image else None
     for path in write_figures(model, args.out, images):
         print(path)

@@ -16,7 +16,7 @@ from data_prep import store
 
 def pretrain_data(source: str) -> str | None:
     """The ``data.path`` of the run whose checkpoint ``source`` names (None: not one of our checkpoints)."""
-    from pipeline.train.checkpoint import checkpoint_in, read_manifest
+    from pipeline.checkpoint_layout import checkpoint_in, read_manifest
 
     try:
         ck = checkpoint_in(source)

@@ -28,10 +28,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from pipeline import slurm
+from pipeline import slurm, world
 from pipeline.errors import Classified
 from pipeline.network import free_port, port_free, rendezvous_port
 from pipeline.threads import use_cpu_threads
+from pipeline.world import place
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class DistEnv:
     local_world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    source: str = "single"  # "env" (a launcher set RANK/WORLD_SIZE), "slurm" or "single"
+    source: str = "single"  # "env" (a launcher set RANK/WORLD_SIZE), "slurm" or "single" (pipeline.world)
 
     @property
     def is_rank0(self) -> bool:
@@ -57,7 +58,8 @@ def _first_slurm_host(nodelist: str) -> str:
 
 
 def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port: int = 0) -> DistEnv:
-    """Read rank/world/master from a launcher's env vars, else SLURM's, else a single process.
+    """Rank/world (:func:`pipeline.world.place`: a launcher's variables, else SLURM's, else a single
+    process) and the master to meet at.
 
     Under SLURM alone (no launcher), the master is the allocation's first node and a port derived
     from the job id, or ``master_addr``/``master_port`` (engine.master_addr/master_port) when set:
@@ -65,25 +67,16 @@ def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port:
     submitting shell, stale for this allocation.
     """
     env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return DistEnv(
-            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
-            local_world_size=int(env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", 1))),  # LOCAL_SIZE: deepspeed's
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", 29500)), source="env")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        ntasks = int(env["SLURM_NTASKS"])
-        nnodes = int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", 1)))
-        local_world = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or max(1, ntasks // nnodes))
-        return DistEnv(
-            rank=int(env["SLURM_PROCID"]), world_size=ntasks,
-            local_rank=int(env.get("SLURM_LOCALID", 0)), local_world_size=local_world,
-            master_addr=master_addr or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
-            master_port=int(master_port or rendezvous_port(env.get("SLURM_JOB_ID", "0"),
-                                                          slurm.restart_count(env))),
-            source="slurm")
-    return DistEnv()
+    p = place(env)
+    if p.source == world.LAUNCHER:
+        addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500))
+    elif p.source == world.SLURM:
+        addr = master_addr or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        port = int(master_port or rendezvous_port(env.get("SLURM_JOB_ID", "0"), slurm.restart_count(env)))
+    else:
+        return DistEnv()
+    return DistEnv(rank=p.rank, world_size=p.world_size, local_rank=p.local_rank,
+                   local_world_size=p.local_world_size, master_addr=addr, master_port=port, source=p.source)
 
 
 def export_env(d: DistEnv) -> None:

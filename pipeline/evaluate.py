@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import checkpoint_layout as layout
 from pipeline.config import ConfigError, EvalConfig, flatten
 from pipeline.data import DataError, dataset_inputs, minival_source, read_info
 from pipeline.distributed import comm_device, rank_world, setup
@@ -32,7 +33,7 @@ from pipeline.eval.task import Task
 from pipeline.stops import Status
 from pipeline.tracking import Sinks
 from pipeline.tracking.setup import Tracking
-from pipeline.train import checkpoint as ckpt_lib
+from pipeline.train.engine import fp32_state_dict
 from pipeline.weights import load_model
 
 
@@ -60,11 +61,11 @@ class CheckpointRun:
 def run_of_checkpoint(checkpoint: str | os.PathLike) -> CheckpointRun:
     """The MLflow run (and its store) of a run dir, a checkpoint folder or a run dir's model.safetensors."""
     p = Path(checkpoint)
-    ck = ckpt_lib.checkpoint_in(p if p.is_dir() else p.parent)
+    ck = layout.checkpoint_in(p if p.is_dir() else p.parent)
     if ck is None:
         return CheckpointRun()
     run_dir = ck.parent.parent  # RUN_DIR/checkpoints/step-*
-    man = ckpt_lib.read_manifest(ck)
+    man = layout.read_manifest(ck)
     conf = man.get("config") or {}
     uri = man.get("mlflow_uri") or conf.get("tracking.uri") or os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None or (uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file()):
@@ -91,7 +92,7 @@ def evaluate(cfg: EvalConfig) -> EvalResult:
     setup(cfg)
     device = comm_device()
     rank, world = rank_world()
-    model = load_model(e.checkpoint, variant=e.variant, img_size=e.img_size).to(device)
+    model = load_model(e.checkpoint, variant=e.variant, img_size=e.img_size, consolidate=fp32_state_dict).to(device)
     out_dir = Path(e.out) if e.out else default_out(e.checkpoint)
     img = model.img_size[0] if isinstance(model.img_size, tuple) else int(model.img_size)
     task = Task.of(read_info(cfg.data.path), run_of_checkpoint(e.checkpoint).loss)  # as the run trained

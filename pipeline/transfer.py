@@ -27,7 +27,7 @@ from pipeline.eval.task import Task
 from pipeline.rundir import own_run_dir
 from pipeline.stops import Status
 from pipeline.train.build import build_run
-from pipeline.train.engine import param_groups_layer_decay
+from pipeline.train.engine import fp32_state_dict, param_groups_layer_decay
 from pipeline.train.loop import Finished, Result, train
 from pipeline.weights import build_from_source, load_model, source_lineage
 
@@ -41,7 +41,7 @@ def transfer(cfg: Config) -> Result:
 
     def build(num_classes: int):
         nonlocal report
-        model, report = build_from_source(cfg, num_classes)
+        model, report = build_from_source(cfg, num_classes, consolidate=fp32_state_dict)
         if report.resampled_posemb:
             (a, b) = report.resampled_posemb
             rank0_print(f"transfer: pos-emb resampled {a[0]}x{a[1]} -> {b[0]}x{b[1]} ({cfg.init.posemb_mode}); "

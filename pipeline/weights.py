@@ -8,6 +8,11 @@ timm .pth, JAX .npz) into a ViT, and the one writer of vitp's safetensors export
     load_checkpoint_weights(p)   consolidated fp32 weights of a run (any ZeRO stage), no engine
     save_weights(sd, config, p)  safetensors with vitp's metadata (format, model config)
     export(src, out, fmt)        `vitp export`
+
+A DeepSpeed ``step-*`` folder is joined into one fp32 state dict by a consolidator the caller passes
+(``consolidate=``, a callable ``ckpt_dir -> state dict``: the stages pass
+pipeline.train.engine.fp32_state_dict), so this module reads the checkpoint layout
+(pipeline.checkpoint_layout) but never imports train, nor DeepSpeed.
 """
 
 from __future__ import annotations
@@ -15,14 +20,18 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from pipeline import checkpoint_layout as layout
 from pipeline.errors import Classified
 from pipeline.files import replacing
 from pipeline.model import ViT, build_vit, load_pretrained, load_state_dict_into, reset_head
-from pipeline.train import checkpoint as ckpt_lib
+
+# a DeepSpeed checkpoint folder -> its consolidated fp32 state dict (pipeline.train.engine.fp32_state_dict)
+Consolidate = Callable[[str], "dict[str, torch.Tensor]"]
 
 
 class WeightsError(Classified, ValueError):
@@ -55,10 +64,10 @@ def _grid(cfg: dict) -> tuple[int, int] | None:
     return h // patch, w // patch
 
 
-def read_source(path: str | Path) -> tuple[dict | None, dict | None]:
+def read_source(path: str | Path, *, consolidate: Consolidate | None = None) -> tuple[dict | None, dict | None]:
     """A transfer source -> (state dict or None for a weights file, its model config or None).
 
-    Directories are our own run / checkpoint folders (pipeline.train.checkpoint knows their layout);
+    Directories are our own run / checkpoint folders (pipeline.checkpoint_layout knows their layout);
     files are left to `load_pretrained`, which sniffs the format and never unpickles code.
     """
     p = Path(path)
@@ -67,7 +76,7 @@ def read_source(path: str | Path) -> tuple[dict | None, dict | None]:
                             "a checkpoint folder, or a .safetensors / .pth / .npz file)")
     if p.is_dir():
         try:
-            sd, mcfg = load_checkpoint_weights(p)
+            sd, mcfg = load_checkpoint_weights(p, consolidate=consolidate)
         except FileNotFoundError as e:
             raise WeightsError(f"init.from: {e}") from None
         return dict(sd), dict(mcfg) if mcfg else None
@@ -96,7 +105,7 @@ def build_model(cfg, num_classes: int) -> ViT:
 
 def load_source_into(model: ViT, path: str | Path, *, posemb_mode: str = "bicubic",
                      keep_representation: bool = False, sd: dict | None = None,
-                     src_cfg: dict | None = None):
+                     src_cfg: dict | None = None, consolidate: Consolidate | None = None):
     """Load source weights into `model` (built at the target resolution) and give it a zero head.
 
     Everything except the head (and the pre-logits layer unless kept) must come from the source:
@@ -104,7 +113,7 @@ def load_source_into(model: ViT, path: str | Path, *, posemb_mode: str = "bicubi
     Returns the LoadReport.
     """
     if sd is None and src_cfg is None:
-        sd, src_cfg = read_source(path)
+        sd, src_cfg = read_source(path, consolidate=consolidate)
     try:
         if sd is not None:
             sd = {k: v for k, v in sd.items() if not _HEAD.match(k)}  # the paper always drops it
@@ -125,7 +134,7 @@ def load_source_into(model: ViT, path: str | Path, *, posemb_mode: str = "bicubi
     return rep
 
 
-def build_from_source(cfg, num_classes: int):
+def build_from_source(cfg, num_classes: int, *, consolidate: Consolidate | None = None):
     """The target model at cfg.model.img_size with `num_classes` outputs, initialised from cfg.init.from.
 
     -> (model, LoadReport). The head is zero; pos-emb resampled to the new patch grid.
@@ -135,7 +144,7 @@ def build_from_source(cfg, num_classes: int):
     src = cfg.init.from_
     if not src:
         raise WeightsError("init.from: no transfer source; pass init.from=RUN_DIR_OR_WEIGHTS")
-    sd, src_cfg = read_source(src)
+    sd, src_cfg = read_source(src, consolidate=consolidate)
     rep = None
     if cfg.init.keep_representation:
         rep = (src_cfg or {}).get("representation_size") or cfg.model.representation_size
@@ -156,13 +165,13 @@ def build_from_source(cfg, num_classes: int):
 
 
 def load_model(path: str | Path, *, variant: str | None = None, img_size: int | None = None,
-               num_classes: int | None = None) -> ViT:
+               num_classes: int | None = None, consolidate: Consolidate | None = None) -> ViT:
     """Any checkpoint -> a ViT in eval mode, its head included (for `vitp eval`).
 
     Run dirs and vitp safetensors carry their architecture; other files need `variant`
     (then the head is kept only when `num_classes` is given and matches).
     """
-    sd, src_cfg = read_source(path)
+    sd, src_cfg = read_source(path, consolidate=consolidate)
     if src_cfg is None and variant is None:
         raise WeightsError(f"{path}: the file does not say its architecture; pass --model (e.g. vit_b16)")
     kw = dict(src_cfg or {})
@@ -196,11 +205,11 @@ def source_digest(path: str | Path) -> str:
     target = p if p.is_file() else p / "model.safetensors" if (p / "model.safetensors").is_file() else None
     h = hashlib.sha256()
     if target is None:
-        ck = ckpt_lib.checkpoint_in(p) if p.is_dir() else None
+        ck = layout.checkpoint_in(p) if p.is_dir() else None
         if ck is None:
             raise WeightsError(f"init.from: {path}: no weights file and no complete checkpoint to digest")
         h.update(ck.name.encode())
-        target = ck / ckpt_lib.MANIFEST
+        target = ck / layout.MANIFEST
     with open(target, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
@@ -212,10 +221,10 @@ def source_lineage(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_dir():
         return {"parent_checkpoint": str(p)}
-    ck = ckpt_lib.checkpoint_in(p)
+    ck = layout.checkpoint_in(p)
     if ck is None:
         return {"parent_checkpoint": str(p)}
-    man = ckpt_lib.read_manifest(ck)
+    man = layout.read_manifest(ck)
     out = {"parent_checkpoint": str(ck), "parent_step": man.get("step")}
     if man.get("mlflow_run_id"):
         out["parent_run_id"] = man["mlflow_run_id"]
@@ -235,21 +244,26 @@ def _read_safetensors(path: Path) -> tuple[dict, dict | None]:
     return sd, json.loads(meta["config"]) if "config" in meta else None
 
 
-def load_checkpoint_weights(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | None]:
+def load_checkpoint_weights(path: str | os.PathLike, *, consolidate: Consolidate | None = None
+                            ) -> tuple[dict[str, torch.Tensor], dict | None]:
     """Consolidated fp32 weights + model config (build_vit kwargs) from a pre-training output.
 
     path: a run dir (its model.safetensors, else its newest checkpoint), a ``step-*`` checkpoint
-    folder (any ZeRO stage) or a vitp .safetensors file.
+    folder (any ZeRO stage) or a vitp .safetensors file. A checkpoint folder is joined by
+    ``consolidate`` (its model config comes from the manifest); without one it is an error.
     """
     p = Path(path)
     if p.is_file():
         return _read_safetensors(p)
     if (p / "model.safetensors").is_file():
         return _read_safetensors(p / "model.safetensors")
-    ck = ckpt_lib.checkpoint_in(p)
+    ck = layout.checkpoint_in(p)
     if ck is None:
         raise FileNotFoundError(f"{p}: no model.safetensors and no complete checkpoint in it")
-    return ckpt_lib.read_weights(ck)
+    if consolidate is None:
+        raise WeightsError(f"{ck}: a DeepSpeed checkpoint needs consolidating, and no consolidator was passed "
+                           "(consolidate=pipeline.train.engine.fp32_state_dict)")
+    return consolidate(str(ck)), layout.read_manifest(ck).get("model_config")
 
 
 def save_weights(sd: dict[str, torch.Tensor], model_config: dict | None, path: str | os.PathLike,
@@ -270,10 +284,11 @@ def save_model(model: torch.nn.Module, path: str | os.PathLike) -> Path:
     return save_weights(model.state_dict(), getattr(model, "config", None), path)
 
 
-def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str = "safetensors") -> dict:
+def export(checkpoint: str | os.PathLike, out: str | os.PathLike, fmt: str = "safetensors", *,
+           consolidate: Consolidate | None = None) -> dict:
     """Consolidated fp32 weights of ``checkpoint`` to ``out``: vitp names ("safetensors") or timm
     VisionTransformer names ("timm", also safetensors). -> {"tensors", "params"}."""
-    sd, model_config = load_checkpoint_weights(checkpoint)
+    sd, model_config = load_checkpoint_weights(checkpoint, consolidate=consolidate)
     if fmt == "timm":
         from pipeline.model.convert import vitp_to_timm
 

@@ -9,8 +9,9 @@
 
 Every place that needs the accumulation or checks the split asks this type (the config's world check,
 DeepSpeed's generated config, the data loaders, `vitp plan`), so the arithmetic and its one-line error
-live here only. Which world size: :func:`pipeline.config.stages.world_size_from_env` (the running one,
-else the planned one) or ``cfg.world_size_planned``.
+live here only. Which world size: :func:`pipeline.config.stages.world_size_from_env` (a launcher's, from
+pipeline/world.py, the one reader of rank and world variables; else the planned one) or
+``cfg.world_size_planned``.
 """
 
 from __future__ import annotations

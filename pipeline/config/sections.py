@@ -210,9 +210,6 @@ class DataCfg(Section):
             raise problem("data.minival_fraction: set it or data.train_limit/data.minival_limit, not both")
         if self.minival_limit and self.train_limit is None:
             raise problem("data.minival_limit: needs data.train_limit (the examples kept to train on)")
-        if (self.minival_fraction or self.train_limit is not None) and self.path.startswith("synthetic"):
-            raise problem("data.minival_fraction: a minival is held out of a `vitp prep` dataset's train split, "
-                           f"not of {self.path!r}")
         return self
 
 

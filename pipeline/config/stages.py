@@ -5,8 +5,6 @@ checks that span them (:func:`validate`; the world size comes from the validatio
 
 from __future__ import annotations
 
-import os
-
 from pydantic import Field, ValidationInfo, model_validator
 
 from pipeline.config.batch import BatchLayout
@@ -30,6 +28,7 @@ from pipeline.config.sections import (
     TrainCfg,
     problem,
 )
+from pipeline.world import LAUNCHER, place
 
 
 class StageConfig(Section):
@@ -81,9 +80,12 @@ class EvalConfig(StageConfig):
     evals: EvalList() = Field(default_factory=list)  # run instead of the eval.* flags' ones when given
 
 
-def world_size_from_env(cfg: StageConfig) -> int:
-    env = os.environ.get("WORLD_SIZE")
-    return int(env) if env else cfg.world_size_planned
+def world_size_from_env(cfg: StageConfig, environ=None) -> int:
+    """The world a launcher started this process in (its RANK/WORLD_SIZE: torchrun, deepspeed, vitp's
+    local launcher), else the one ``cfg`` plans. Only a launcher's variables count: SLURM's, in an
+    salloc/sbatch shell that runs `vitp submit`, describe that shell's allocation, not the job."""
+    p = place(environ, launchers=(LAUNCHER,))
+    return p.world_size if p.source == LAUNCHER else cfg.world_size_planned
 
 
 def validate(cfg: StageConfig, *, world_size: int | None = None) -> None:

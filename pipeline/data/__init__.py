@@ -1,7 +1,8 @@
 """The datasets stages read, behind one declared interface (source.py) that both sources implement:
 
-    source = source_for(path)        a DataSource for ``data.path``: ShardSource (a `vitp prep` folder)
-                                     or SyntheticSource (``synthetic:...``)
+    source = source_for(path)        a DataSource for ``data.path``, of the first kind that claims it
+                                     (kinds.py, one line per kind): SyntheticSource (``synthetic:...``),
+                                     ImageFolderSource (a class-per-folder tree) or ShardSource (a `vitp prep` folder)
     source.read_info()               -> Info (classes, splits with sample counts)
     source.train_loader(cfg.data, ...)  endless micro batches (uint8 [B, 3, H, W], labels), resumable
     source.eval_loader(cfg.data, ...)   each sample once over all ranks: (uint8 images, labels, valid mask)
@@ -21,51 +22,10 @@ import json
 import os
 
 from data_prep import store
-from data_prep.schema import INFO_FILE
+from pipeline.data.kinds import KINDS, Kind, is_image_folder, kinds_help, source_for, synthetic_spec
 from pipeline.data.minival import MINIVAL, minival_source, stored_split
 from pipeline.data.shards import DataError, Info, SplitInfo
 from pipeline.data.source import DataSource, EvalBatches, TrainBatches
-
-
-def source_for(path: str) -> DataSource:
-    """The source for ``data.path``: SyntheticSource for ``synthetic[:...]``, ImageFolderSource for a
-    class-per-folder tree (:func:`is_image_folder`), else a ShardSource (a `vitp prep` output)."""
-    from pipeline.data import synthetic
-
-    if synthetic.is_synthetic(path):
-        return synthetic.SyntheticSource(path)
-    if not path:
-        raise DataError("data.path: empty; give a `vitp prep` output folder (or synthetic: for a smoke run)")
-    if is_image_folder(path):  # imported only then: the loaders import torch, a command's checks do not
-        from pipeline.data.imagefolder import ImageFolderSource
-
-        return ImageFolderSource(path)
-    from pipeline.data.loader import ShardSource
-
-    return ShardSource(path)
-
-
-def is_image_folder(path: str) -> bool:
-    """Whether ``path`` is read as an image folder: a folder (or prefix) that is not a `vitp prep`
-    output (no ``_info.json``) and holds sub-folders other than prep's own (``_plan``: an unfinished
-    prep stays a prep output, whose error asks whether prep finished). A tree that is not a valid image
-    folder is still claimed here, so that its error names the folders an image folder needs."""
-    path = str(path)
-
-    def named(name: str) -> bool:
-        return not name.startswith(("_", "."))
-
-    try:
-        if not store.is_remote(path):
-            return os.path.isdir(path) and not os.path.exists(os.path.join(path, INFO_FILE)) and any(
-                e.is_dir() and named(e.name) for e in os.scandir(path))
-        if store.exists(store.join(path, INFO_FILE)):
-            return False
-        fs, root = store.filesystem(path)
-        return any(e.get("type") == "directory" and named(e["name"].rstrip("/").rsplit("/", 1)[-1])
-                   for e in fs.ls(root, detail=True))
-    except Exception:  # OSError, or an HTTP store's own (aiohttp's 403 on a listing): not ours to word
-        return False  # the shard reader's error names what is missing (the bucket, the 403, the 404)
 
 
 def read_info(path: str) -> Info:
@@ -75,7 +35,7 @@ def read_info(path: str) -> Info:
 def local_source(path: str) -> DataSource | None:
     """The source of ``data.path`` when it can be read here without the network and is there (a
     synthetic spec, a folder): planning and other estimates work without data; None otherwise."""
-    spec = str(path).split(":", 1)[0] == "synthetic"  # synthetic.is_synthetic, without importing torch
+    spec = synthetic_spec(str(path))
     if not path or store.is_remote(path) or not (spec or os.path.exists(path)):
         return None
     src = source_for(path)
@@ -143,5 +103,6 @@ def dataset_inputs(path: str, contexts: dict[str, str]) -> list[dict]:
     return out
 
 
-__all__ = ["DataError", "DataSource", "EvalBatches", "Info", "SplitInfo", "TrainBatches", "dataset_inputs",
-           "check_splits", "local_source", "minival_source", "num_classes", "stored_split", "read_info", "source_for"]
+__all__ = ["KINDS", "DataError", "DataSource", "EvalBatches", "Info", "Kind", "SplitInfo", "TrainBatches",
+           "check_splits", "dataset_inputs", "is_image_folder", "kinds_help", "local_source", "minival_source",
+           "num_classes", "read_info", "source_for", "stored_split", "synthetic_spec"]

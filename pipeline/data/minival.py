@@ -47,8 +47,16 @@ def active(cfg_data) -> bool:
 
 
 def minival_source(cfg_data) -> str | None:
-    """The split ``minival`` is drawn from (data.train_split), None when none is held out."""
-    return cfg_data.train_split if active(cfg_data) else None
+    """The split ``minival`` is drawn from (data.train_split), None when none is held out; DataError
+    when data.path's kind cannot hold one out (:attr:`DataSource.holds_minival`)."""
+    if not active(cfg_data):
+        return None
+    from pipeline.data.kinds import source_for
+
+    if not source_for(cfg_data.path).holds_minival:
+        raise DataError("data.minival_fraction: a minival is held out of a `vitp prep` dataset's train split, "
+                        f"not of {cfg_data.path!r}")
+    return cfg_data.train_split
 
 
 def stored_split(cfg_data, name: str) -> str:

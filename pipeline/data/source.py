@@ -78,6 +78,7 @@ class DataSource(ABC):
     """One dataset, as the stages read it (see the module docstring)."""
 
     kind = ""  # names the source in MLflow's dataset inputs ("local", "synthetic")
+    holds_minival = True  # a minival (data.minival_fraction, data.train_limit) can be held out of its train split
 
     def __init__(self, path: str):
         self.path = str(path)

@@ -25,10 +25,6 @@ PREFIX = "synthetic:"
 _DEFAULTS = {"classes": 10, "train": 2048, "val": 256, "noise": 60}
 
 
-def is_synthetic(path: str) -> bool:
-    return str(path) == "synthetic" or str(path).startswith(PREFIX)
-
-
 def parse_spec(path: str) -> dict[str, int]:
     spec = dict(_DEFAULTS)
     body = str(path)[len(PREFIX):].strip() if str(path).startswith(PREFIX) else ""
@@ -173,6 +169,7 @@ class SyntheticSource(ClassLoaders, DataSource):
     """``synthetic[:options]`` as a :class:`~pipeline.data.source.DataSource` (no files)."""
 
     kind = "synthetic"
+    holds_minival = False
     normalize = staticmethod(normalize)
 
     train_loader_class, eval_loader_class = TrainLoader, EvalLoader

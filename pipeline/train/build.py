@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from pipeline import checkpoint_layout as layout
 from pipeline import data as data_lib
 from pipeline.config import Config, resolve
 from pipeline.data import check_splits, minival_source
@@ -92,7 +93,7 @@ def prepare_run_dir(run, resolved_yaml: str, rank: int) -> Path | None:
         wait_for_rank0()  # everyone has looked before rank 0 deletes
         if rank == 0 and entries:
             print(f"run.fresh=true: starting over in {run_dir} (deleting its checkpoints and metrics)", flush=True)
-            shutil.rmtree(ckpt_lib.root(run_dir), ignore_errors=True)
+            shutil.rmtree(layout.root(run_dir), ignore_errors=True)
             for name in ("metrics.jsonl", "model.safetensors", "loss_curve.png", "mlflow_spool.jsonl"):
                 (run_dir / name).unlink(missing_ok=True)
         wait_for_rank0()

@@ -12,8 +12,8 @@ Layout under ``RUN_DIR/checkpoints/``::
 
 :class:`CheckpointManager` writes and reads them: it takes the run's parts as named
 :class:`Stateful` objects (``state_dict``/``load_state_dict``), saves each under its name, restores
-each by name, and decides when to save. Other stages read checkpoints through
-:func:`checkpoint_in`, :func:`read_manifest` and :func:`read_weights`.
+each by name, and decides when to save. Which folders are checkpoints and which of them count is
+pipeline/checkpoint_layout.py's (readers outside train ask it); :func:`read_weights` consolidates one.
 
 DeepSpeed's own ``latest`` file is not written: it appears before every rank has finished. A
 checkpoint exists iff its ``step-*`` folder exists with a manifest (a rename is atomic), so a job
@@ -47,7 +47,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,44 +57,22 @@ import numpy as np
 import torch
 
 from pipeline import faults
+from pipeline.checkpoint_layout import (
+    MANIFEST,
+    TMP_PREFIX,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_manifest,
+    root,
+    tag_for,
+    tmp_tag_for,
+)
 from pipeline.distributed import any_rank, broadcast_from_rank0, new_gloo_group, rank0_print, rank_world, wait_for_rank0
 from pipeline.errors import Classified
 from pipeline.files import atomic_write, fsync_path
 from pipeline.train.saving import Background, HostCopy, free_space, without_crc
 
-MANIFEST = "manifest.json"
 SHARED = "vitp_shared.pt"  # the states equal on every rank, written once by rank 0
-_PREFIX, _TMP = "step-", "tmp-step-"
-
-
-def root(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def tag_for(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"
-
-
-def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Published checkpoints of a run, oldest first."""
-    r = root(run_dir)
-    if not r.is_dir():
-        return []
-    found = [p for p in r.iterdir() if p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit()
-             and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]))
-
-
-def latest_checkpoint(run_dir: str | os.PathLike, *, warn: bool = True) -> Path | None:
-    """The newest published checkpoint whose files are all there at their recorded sizes; an
-    incomplete newer one is skipped with a one-line warning on stderr."""
-    for ckpt in reversed(complete_checkpoints(run_dir)):
-        problem = incomplete(ckpt)
-        if problem is None:
-            return ckpt
-        if warn:
-            print(f"warning: skipping checkpoint {ckpt}: {problem}", file=sys.stderr, flush=True)
-    return None
 
 
 def resume_choice(run_dir: str | os.PathLike) -> Path | None:
@@ -106,41 +83,12 @@ def resume_choice(run_dir: str | os.PathLike) -> Path | None:
     return root(run_dir) / name if name else None
 
 
-def read_manifest(ckpt: str | os.PathLike) -> dict:
-    return json.loads((Path(ckpt) / MANIFEST).read_text())
-
-
-def checkpoint_in(path: str | os.PathLike) -> Path | None:
-    """The checkpoint ``path`` names: a ``step-*`` folder itself, else a run dir's newest complete
-    one; None when there is none."""
-    p = Path(path)
-    return p if (p / MANIFEST).is_file() else latest_checkpoint(p)
-
-
 def read_weights(ckpt: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | None]:
     """A checkpoint folder's consolidated fp32 model weights (any ZeRO stage, no engine needed) and
-    its model config (build_vit kwargs) from the manifest: how other stages read a checkpoint."""
+    its model config (build_vit kwargs) from the manifest."""
     from pipeline.train import engine as eng
 
     return eng.fp32_state_dict(str(ckpt)), read_manifest(ckpt).get("model_config")
-
-
-def incomplete(ckpt: str | os.PathLike) -> str | None:
-    """Why ``ckpt`` cannot be trusted (a file missing or of another size than the manifest records),
-    or None. Manifests written before sizes were recorded are taken as they are."""
-    ckpt = Path(ckpt)
-    try:
-        sizes = read_manifest(ckpt).get("sizes") or {}
-    except (OSError, ValueError) as e:
-        return f"unreadable {MANIFEST} ({e})"
-    for name, size in sorted(sizes.items()):
-        try:
-            got = (ckpt / name).stat().st_size
-        except FileNotFoundError:
-            return f"{name} is missing"
-        if got != size:
-            return f"{name} has {got} bytes, the manifest recorded {size}"
-    return None
 
 
 def _names(folder: Path) -> list[str]:
@@ -390,10 +338,10 @@ class CheckpointManager:
         self.wait()  # the previous write, if it is still running; raises if it failed
         rank, world = rank_world()
         r = root(self.run_dir)
-        tmp, final = r / f"{_TMP}{step:08d}", self.path(step)
+        tmp, final = r / tmp_tag_for(step), self.path(step)
         if rank == 0:
             r.mkdir(parents=True, exist_ok=True)
-            for stale in r.glob(f"{_TMP}*"):  # left by a job killed while saving
+            for stale in r.glob(f"{TMP_PREFIX}*"):  # left by a job killed while saving
                 shutil.rmtree(stale, ignore_errors=True)
             if final.exists():  # re-saving a step (a resumed run's final save)
                 shutil.rmtree(final)

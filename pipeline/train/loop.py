@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline import checkpoint_layout as layout
 from pipeline import faults, hang, stops
 from pipeline.distributed import all_reduce, rank0_print, wait_for_rank0
 from pipeline.errors import Classified
@@ -194,7 +195,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
             checkpoints.wait(check=False)  # the write in flight holds a step before the bad one
             tracker.close(status="FAILED", timeout=10.0)
             raise NonFiniteLoss(f"step {at}: non-finite {what} (lr {run.schedule(at - 1):.3g}); stopped before saving "
-                                f"it; last complete checkpoint: {ckpt_lib.latest_checkpoint(run.run_dir) or 'none'}")
+                                f"it; last complete checkpoint: {layout.latest_checkpoint(run.run_dir) or 'none'}")
         return stop
 
     def stopped(stop: float) -> Result:

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from launch.jobs import outcome, read_index, wait
-from pipeline.train.checkpoint import complete_checkpoints, tag_for
+from pipeline.checkpoint_layout import complete_checkpoints, tag_for
 from tests.e2e.test_submit_slurm import RES, SYNTH, TINY, Gate, cli, job_id, losses, n_lines, poll, usr2
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -20,8 +20,8 @@ import pytest
 
 from launch.attempts import read_events
 from launch.jobs import outcome, read_index, wait
+from pipeline.checkpoint_layout import complete_checkpoints, tag_for
 from pipeline.rundir import OWNER
-from pipeline.train.checkpoint import complete_checkpoints, tag_for
 from tests.e2e.test_submit_slurm import RES, ROOT, SYNTH, TINY, Gate, cli, job_id, losses
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

@@ -24,7 +24,7 @@ import pytest
 
 from launch.jobs import job_state, outcome, read_index, slurm_states, wait
 from pipeline import error_record
-from pipeline.train.checkpoint import complete_checkpoints, tag_for
+from pipeline.checkpoint_layout import complete_checkpoints, tag_for
 from tests.data_prep_fixtures import build_corpus, tree_bytes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.checkpoint import complete_checkpoints, tag_for
+from pipeline.checkpoint_layout import complete_checkpoints, tag_for
 from tests.integration.test_pretrain import assert_same_weights, losses, metrics, pretrain
 
 pytestmark = pytest.mark.distributed

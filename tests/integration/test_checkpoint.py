@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline import checkpoint_layout as layout
 from pipeline.train import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,15 +33,15 @@ def test_rng_state_round_trips_through_weights_only_load(tmp_path):
 
 
 def test_only_published_checkpoints_count(tmp_path):
-    root = ck.root(tmp_path)
+    root = layout.root(tmp_path)
     (root / "tmp-step-00000009").mkdir(parents=True)  # torn save
     (root / "step-00000008").mkdir()  # no manifest: never published
     for s in (2, 4):
-        (root / ck.tag_for(s)).mkdir()
-        (root / ck.tag_for(s) / ck.MANIFEST).write_text(json.dumps({"step": s, "world_size": 2}))
-    assert [p.name for p in ck.complete_checkpoints(tmp_path)] == ["step-00000002", "step-00000004"]
-    assert ck.latest_checkpoint(tmp_path).name == "step-00000004"
-    assert ck.latest_checkpoint(tmp_path / "nothing") is None
+        (root / layout.tag_for(s)).mkdir()
+        (root / layout.tag_for(s) / layout.MANIFEST).write_text(json.dumps({"step": s, "world_size": 2}))
+    assert [p.name for p in layout.complete_checkpoints(tmp_path)] == ["step-00000002", "step-00000004"]
+    assert layout.latest_checkpoint(tmp_path).name == "step-00000004"
+    assert layout.latest_checkpoint(tmp_path / "nothing") is None
 
 
 def test_run_dir_guard(tmp_path):

@@ -78,7 +78,7 @@ def test_stranded_runs_are_finished_by_vitp_sync(mlflow_server, tmp_path):
     (a Tracker) never reaches it at all. Both end, spool, and name `vitp sync`; once the server is
     back `vitp sync` delivers every step once and ends both runs FINISHED at the time the job ended;
     a second sync has nothing to do."""
-    from pipeline.train.checkpoint import latest_checkpoint, read_manifest
+    from pipeline.checkpoint_layout import latest_checkpoint, read_manifest
     from tests.services import mlflow_start, mlflow_stop
 
     exp, a_dir, b_dir, gate = f"stranded-{uuid.uuid4().hex[:10]}", tmp_path / "a", tmp_path / "b", tmp_path / "gate"

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from launch.local import run_local
-from pipeline.train.checkpoint import complete_checkpoints
+from pipeline.checkpoint_layout import complete_checkpoints
 from tests.data_prep_fixtures import jpeg_bytes, natural_image
 
 pytestmark = pytest.mark.distributed
@@ -142,6 +142,7 @@ def test_zero_stages_agree(reference, tmp_path, stage):
     ZeRO-3 over 6 steps against ZeRO-2's final weights (each consolidated from its own partitions).
     Every parameter is compared except the key third of each qkv.bias (see key_bias), whose effect
     is compared instead: the models' features and logits on fixed images."""
+    from pipeline.train.engine import fp32_state_dict
     from pipeline.weights import load_checkpoint_weights
 
     ref = reference(2)
@@ -151,7 +152,7 @@ def test_zero_stages_agree(reference, tmp_path, stage):
     else:
         run, steps = tmp_path, 4
         assert pretrain(tmp_path, f"engine.zero_stage={stage}", "train.steps=4") == 0
-        want, _ = load_checkpoint_weights(ref / "checkpoints/step-00000004")
+        want, _ = load_checkpoint_weights(ref / "checkpoints/step-00000004", consolidate=fp32_state_dict)
     got = losses(run)
     for s in range(1, steps + 1):
         assert got[s] == pytest.approx(losses(ref)[s], rel=1e-5, abs=1e-6)
@@ -236,6 +237,7 @@ def test_mixup_cutmix_soft_targets_through_the_stage(reference, shards, tmp_path
     """data.mixup/cutmix over prep's shards: finite losses, and a run that differs from the same run
     without mixing (which would be bit-identical: see the resume tests). Step 1 is ln 4 in both: the
     zero-initialised head gives every class logit 0, and soft targets sum to 1."""
+    from pipeline.train.engine import fp32_state_dict
     from pipeline.weights import load_checkpoint_weights
 
     ref = reference(2, shards)
@@ -245,7 +247,8 @@ def test_mixup_cutmix_soft_targets_through_the_stage(reference, shards, tmp_path
     assert got[1] == pytest.approx(math.log(4), rel=1e-6) and want[1] == pytest.approx(math.log(4), rel=1e-6)
     for s in (2, 3, 4):
         assert abs(got[s] - want[s]) > 1e-5, (s, got[s], want[s])
-    mixed, (plain, _) = weights(tmp_path), load_checkpoint_weights(ref / "checkpoints/step-00000004")
+    plain, _ = load_checkpoint_weights(ref / "checkpoints/step-00000004", consolidate=fp32_state_dict)
+    mixed = weights(tmp_path)
     assert max((mixed[k] - plain[k]).abs().max().item() for k in plain) > 1e-4  # ZeRO stages agree to 1e-5
 
 
@@ -403,10 +406,11 @@ def test_consolidated_weights_and_export(reference, tmp_path, stage):
     from launch.cli import run_command
     from launch.stages import export_main
     from pipeline.model import build_vit, vitp_to_timm
+    from pipeline.train.engine import fp32_state_dict
     from pipeline.weights import load_checkpoint_weights
 
     d = reference(stage)
-    from_ckpt, cfg = load_checkpoint_weights(d / "checkpoints/step-00000006")
+    from_ckpt, cfg = load_checkpoint_weights(d / "checkpoints/step-00000006", consolidate=fp32_state_dict)
     final = weights(d)
     assert from_ckpt.keys() == final.keys()
     assert all(torch.equal(from_ckpt[k], final[k]) for k in final)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from pipeline import checkpoint_layout as layout
 from pipeline.train import checkpoint as ck
 
 # what DeepSpeed 0.19.8 writes for 2 data-parallel ranks (ZeRO-2, then ZeRO-3's per-rank module files and
@@ -54,7 +55,7 @@ def test_publish_records_sizes_and_flushes_each_rename(tmp_path, fsyncs):
     tmp, final = r / "tmp-step-00000004", r / "step-00000004"
     _written(tmp)
     ck.publish(tmp, final, {"step": 4, "world_size": 2})
-    doc = ck.read_manifest(final)
+    doc = layout.read_manifest(final)
     assert doc["sizes"] == {n: (final / n).stat().st_size for n in FILES[0] + FILES[1]}
     assert doc["files"] == sorted(doc["sizes"])
     assert (r / "LATEST").read_text() == "step-00000004\n"
@@ -63,18 +64,18 @@ def test_publish_records_sizes_and_flushes_each_rename(tmp_path, fsyncs):
     assert names[0].startswith(".manifest.json") and names[1] == "tmp-step-00000004"
     assert names[2] == "checkpoints" and names[3].startswith(".LATEST") and names[4] == "checkpoints"
     assert len(fsyncs) == 5
-    assert ck.incomplete(final) is None and ck.latest_checkpoint(tmp_path) == final
+    assert layout.incomplete(final) is None and layout.latest_checkpoint(tmp_path) == final
 
 
 def test_truncated_or_missing_file_skips_to_the_previous_checkpoint(tmp_path, capsys):
     r = tmp_path / "checkpoints"
     for step in (2, 4, 6):
         _written(r / f"tmp-step-{step:08d}")
-        ck.publish(r / f"tmp-step-{step:08d}", r / ck.tag_for(step), {"step": step, "world_size": 2})
+        ck.publish(r / f"tmp-step-{step:08d}", r / layout.tag_for(step), {"step": step, "world_size": 2})
     shard = r / "step-00000006" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     shard.write_bytes(shard.read_bytes()[:-7])  # a client crashed before its cache reached the server
     (r / "step-00000004" / "vitp_rank0.pt").unlink()
-    assert ck.latest_checkpoint(tmp_path) == r / "step-00000002"
+    assert layout.latest_checkpoint(tmp_path) == r / "step-00000002"
     err = capsys.readouterr().err.splitlines()
     assert err == [
         f"warning: skipping checkpoint {r / 'step-00000006'}: zero_pp_rank_1_mp_rank_00_optim_states.pt has "
@@ -84,10 +85,10 @@ def test_truncated_or_missing_file_skips_to_the_previous_checkpoint(tmp_path, ca
 
 
 def test_manifest_without_sizes_is_taken_as_it_is(tmp_path):
-    d = ck.root(tmp_path) / ck.tag_for(2)
+    d = layout.root(tmp_path) / layout.tag_for(2)
     _written(d)
-    (d / ck.MANIFEST).write_text(json.dumps({"step": 2, "world_size": 2}))  # written before sizes were recorded
-    assert ck.latest_checkpoint(tmp_path) == d
+    (d / layout.MANIFEST).write_text(json.dumps({"step": 2, "world_size": 2}))  # written before sizes were recorded
+    assert layout.latest_checkpoint(tmp_path) == d
 
 
 def test_conversion_uses_the_tasks_cores_and_node_local_scratch(tmp_path, monkeypatch):

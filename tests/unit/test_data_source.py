@@ -117,3 +117,30 @@ def test_a_source_must_implement_every_part():
     assert list(itertools.chain(*(getattr(DataSource, m).__isabstractmethod__ and [m] or []
                                   for m in ("train_loader", "eval_loader", "normalize")))) == [
         "train_loader", "eval_loader", "normalize"]
+
+
+class _Memo(SyntheticSource):
+    """A kind this test adds: its module (here) and one line in pipeline.data.kinds.KINDS."""
+
+    kind = "memo"
+
+    def __init__(self, path):
+        super().__init__("synthetic:classes=2,train=4,val=2")
+
+
+def test_a_new_kind_is_its_module_and_one_line(monkeypatch):
+    """source_for dispatches on KINDS and `vitp eval --data`'s help lists each kind's phrase from there."""
+    import argparse
+
+    from launch.stages import add_eval_args
+    from pipeline.data import kinds
+
+    memo = kinds.Kind(lambda p: p.startswith("memo:"), f"{_Memo.__module__}:_Memo", "memo:NAME (this test's kind)")
+    monkeypatch.setattr(kinds, "KINDS", (memo, *kinds.KINDS))
+    assert type(source_for("memo:x")) is _Memo and type(source_for("synthetic:train=4")) is SyntheticSource
+    assert source_for("memo:x").read_info().num_classes == 2
+    p = argparse.ArgumentParser()
+    add_eval_args(p)
+    shown = " ".join(next(a.help for a in p._actions if a.dest == "data").split())
+    assert shown == ("memo:NAME (this test's kind), synthetic[:train=N,...] (generated, for tests), a class-per-folder "
+                     "tree (train/ val/ test/) or a `vitp prep` output; a folder, s3://, gs:// or https:// address")

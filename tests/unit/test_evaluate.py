@@ -189,3 +189,19 @@ def test_load_model_roundtrip_and_errors(tmp_path):
     torch.save(model.state_dict(), plain)
     with pytest.raises(TransferError, match="pass --model"):
         load_model(plain)
+
+
+def test_a_checkpoint_folder_is_joined_by_the_consolidator_the_caller_passes(tmp_path):
+    """weights never imports train: a step-* folder is read through the layout, joined by `consolidate`."""
+    model = _tiny(5)
+    torch.nn.init.normal_(model.head.weight)
+    ck = tmp_path / "run" / "checkpoints" / "step-00000003"
+    ck.mkdir(parents=True)
+    (ck / "manifest.json").write_text(json.dumps({"step": 3, "model_config": model.config}))
+    with pytest.raises(TransferError, match=f"^{ck}: a DeepSpeed checkpoint needs consolidating"):
+        load_model(tmp_path / "run")
+    asked = []
+    back = load_model(tmp_path / "run", consolidate=lambda d: asked.append(d) or model.state_dict())
+    assert asked == [str(ck)]  # the run dir's newest complete checkpoint
+    x = torch.randn(2, 3, 16, 16)
+    assert torch.equal(back(x), model.eval()(x))

@@ -10,7 +10,10 @@ Layers, top to bottom:
     launch                                              starts things, parses argv
     pipeline.pretrain, pipeline.transfer, pipeline.evaluate       stages: fn(cfg) -> Result
     pipeline.weights, .train, .eval, .data, .plan, .tracking   the library
-    pipeline.distributed, .config, .model, .files, .driver, .secrets, .rundir   the ground floor
+    pipeline.distributed, .config, .model, .files, .driver, .secrets, .rundir,
+    .checkpoint_layout (which step-* folders count; train writes them, weights and eval read them),
+    .world (rank and world size from any launcher's variables)
+                                                        the ground floor
 data_prep/ is offline and stands apart: no torch. A few modules are shared across that line, both ways:
     data_prep -> pipeline.files (atomic_write), pipeline.faults (the test-fault seam), pipeline.stops,
                  pipeline.errors (the error base): standard library only at import time, so data_prep
@@ -46,7 +49,8 @@ LIBRARY = ("pipeline.weights", "pipeline.train", "pipeline.eval", "pipeline.data
            "pipeline.tracking")
 GROUND = ("pipeline.distributed", "pipeline.network", "pipeline.config", "pipeline.model", "pipeline.files",
           "pipeline.driver", "pipeline.secrets", "pipeline.rundir", "pipeline.threads", "pipeline.stops",
-          "pipeline.slurm", "pipeline.hang", "pipeline.error_record", "pipeline.errors")
+          "pipeline.slurm", "pipeline.hang", "pipeline.error_record", "pipeline.errors", "pipeline.checkpoint_layout",
+          "pipeline.world")
 # faults is a library module (its pause gate reads the stop request, pipeline.stops) that data_prep may call
 LIBRARY = (*LIBRARY, "pipeline.faults")
 DATA_PREP_MAY_IMPORT = {"pipeline", "pipeline.files", "pipeline.faults", "pipeline.stops", "pipeline.errors",
@@ -267,8 +271,6 @@ def test_layers_import_only_downwards():
 # weights and plan never import train; data, tracking and faults import none of those above them.
 INNER = {"pipeline.train": 2, "pipeline.eval": 1, "pipeline.weights": 1, "pipeline.plan": 1,
          "pipeline.data": 0, "pipeline.tracking": 0, "pipeline.faults": 0}
-# arrows up still there, each to go: weights reads the checkpoint layout from train/checkpoint.py
-KNOWN_UP = {("pipeline.weights", "pipeline.train"), ("pipeline.weights", "pipeline.train.checkpoint")}
 
 
 def inner_layer(module: str) -> int | None:
@@ -291,7 +293,7 @@ def inner_violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
 
 def test_library_layers_import_only_downwards():
     found = inner_violations(import_graph())
-    assert found == KNOWN_UP, "arrows up inside pipeline/: " + "; ".join(f"{a} -> {b}" for a, b in sorted(found))
+    assert not found, "arrows up inside pipeline/: " + "; ".join(f"{a} -> {b}" for a, b in sorted(found))
 
 
 def test_a_planted_arrow_up_fails_the_library_layers():

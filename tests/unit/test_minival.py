@@ -6,12 +6,13 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import re
 
 import numpy as np
 import pytest
 
 from pipeline.config import ConfigError, DataCfg, load_config
-from pipeline.data import check_splits
+from pipeline.data import check_splits, minival_source
 from pipeline.data.loader import DataError, EvalLoader, TrainLoader
 from pipeline.data.minival import largest_remainder, select
 from tests.unit.test_data_shards import label_of, write_dataset
@@ -150,5 +151,16 @@ def test_vitp_eval_reads_split_minival(dataset, tmp_path, capsys):
     assert res["eval/minival/n"] == 9  # 3 of each class
     assert main(argv[:-2]) == 2  # without the data section's minival there is no split minival
     assert "'minival'" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="data.minival_fraction: a minival is held out of a `vitp prep`"):
-        load_config("configs/transfer/tiny_cpu.yaml", ["data.minival_fraction=0.1", "data.path=synthetic:train=64"])
+    # the data layer answers whether data.path's kind can hold a minival out: before a stage or a job starts
+    line = ("data.minival_fraction: a minival is held out of a `vitp prep` dataset's train split, "
+            "not of 'synthetic:train=64'")
+    cfg = load_config("configs/transfer/tiny_cpu.yaml", ["data.minival_fraction=0.1", "data.path=synthetic:train=64"])
+    with pytest.raises(DataError, match=f"^{re.escape(line)}$"):
+        minival_source(cfg.data)
+    from launch.submit import SubmitError, check_data
+
+    with pytest.raises(SubmitError, match=f"^{re.escape(line)}$"):
+        check_data(cfg, "transfer")
+    capsys.readouterr()
+    assert main([*argv[:4], "synthetic:train=64", *argv[5:]]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"error: {line}"

@@ -209,21 +209,50 @@ def test_check_data(tmp_path, capsys):
 
 
 def test_job_dist_env_from_submitit_environment():
-    je = SimpleNamespace(num_tasks=8, num_nodes=2, global_rank=5, local_rank=1, job_id="4242", cluster="slurm",
-                         hostnames=["gpu07", "gpu08"])
-    d = job_dist_env(je, environ={})
+    je = SimpleNamespace(job_id="4242", cluster="slurm", hostnames=["gpu07", "gpu08"])
+    d = job_dist_env(je, environ=SLURM_TASK)
     assert (d.rank, d.world_size, d.local_rank, d.local_world_size, d.master_addr) == (5, 8, 1, 4, "gpu07")
     assert d.master_port == rendezvous_port("4242") and 20000 <= d.master_port < 40000
-    assert job_dist_env(je, environ={"SLURM_RESTART_COUNT": "1"}).master_port != d.master_port
-    # the submitting shell's MASTER_ADDR/PORT (sbatch exports them into the job) are stale: ignored
-    stale = {"MASTER_ADDR": "login3", "MASTER_PORT": "1234"}
-    assert (job_dist_env(je, environ=stale).master_addr, job_dist_env(je, environ=stale).master_port) == (
-        "gpu07", d.master_port)
+    assert job_dist_env(je, environ={**SLURM_TASK, "SLURM_RESTART_COUNT": "1"}).master_port != d.master_port
+    # the submitting shell's MASTER_ADDR/PORT and RANK/WORLD_SIZE (sbatch exports them into the job) are
+    # stale: ignored, the job reads its own executor's variables only
+    stale = {**SLURM_TASK, "MASTER_ADDR": "login3", "MASTER_PORT": "1234", "RANK": "0", "WORLD_SIZE": "2"}
+    got = job_dist_env(je, environ=stale)
+    assert (got.rank, got.world_size, got.master_addr, got.master_port) == (5, 8, "gpu07", d.master_port)
     # the config chooses, when it says so
     chosen = job_dist_env(je, {"master_addr": "10.1.2.3", "master_port": 29400}, environ=stale)
     assert (chosen.master_addr, chosen.master_port) == ("10.1.2.3", 29400)
+    # submitit's local executor: its own variables (SLURM's of an enclosing allocation are not this job's)
     local = SimpleNamespace(**{**je.__dict__, "cluster": "local"})
-    assert job_dist_env(local, environ={}).master_addr == "127.0.0.1"
+    loc = {**SLURM_TASK, "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_NTASKS": "2",
+           "SUBMITIT_LOCAL_JOB_NUM_NODES": "1"}
+    d = job_dist_env(local, environ=loc)
+    assert (d.rank, d.world_size, d.local_rank, d.local_world_size, d.master_addr) == (1, 2, 1, 2, "127.0.0.1")
+    debug = SimpleNamespace(**{**je.__dict__, "cluster": "debug"})  # one process, as submitit's debug executor
+    assert (job_dist_env(debug, environ=SLURM_TASK).rank, job_dist_env(debug, environ=SLURM_TASK).world_size) == (0, 1)
+
+
+def test_config_check_counts_a_launchers_world_not_an_enclosing_allocation(monkeypatch):
+    """`vitp submit` run inside an salloc/sbatch shell sees that shell's SLURM_NTASKS: the job it submits
+    runs on the planned world, which the config check keeps; a launcher's RANK/WORLD_SIZE is the world."""
+    from pipeline.config import load_config, world_size_from_env
+    from pipeline.config.sections import ConfigError
+
+    over = ["model.name=vit_ti16", "train.global_batch=8", "train.micro_batch=2", "cluster.nodes=1",
+            "cluster.tasks_per_node=2"]
+    cfg = load_config(None, over, world_size=2)
+    assert world_size_from_env(cfg, {}) == 2  # no launcher: planned
+    assert world_size_from_env(cfg, SLURM_TASK) == 2  # an enclosing allocation of 8 tasks: still planned
+    assert world_size_from_env(cfg, {**SLURM_TASK, "RANK": "0", "WORLD_SIZE": "4"}) == 4
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in SLURM_TASK.items():  # 8 tasks: 8 / (8 x 2) would not split
+        monkeypatch.setenv(k, v)
+    assert load_config(None, over).train.global_batch == 8
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")  # a launcher's 3 ranks: refused, naming the key
+    with pytest.raises(ConfigError, match="train.global_batch: 8 is not divisible by world size 3"):
+        load_config(None, over)
 
 
 SLURM_TASK = {"SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
@@ -242,9 +271,8 @@ def test_dist_env_from_slurm_variables_agrees_with_the_job_launcher(restart):
     assert (d.rank, d.world_size, d.local_rank, d.local_world_size) == (5, 8, 1, 4)
     assert d.master_addr == "gpu07" and d.source == "slurm"
     assert d.master_port == 20000 + (4242 * 7 + restart) % 20000  # 29694 + restart
-    je = SimpleNamespace(num_tasks=8, num_nodes=2, global_rank=5, local_rank=1, job_id="4242", cluster="slurm",
-                         hostnames=["gpu07", "gpu08"])
-    j = job_dist_env(je, environ={"SLURM_RESTART_COUNT": str(restart)})
+    je = SimpleNamespace(job_id="4242", cluster="slurm", hostnames=["gpu07", "gpu08"])
+    j = job_dist_env(je, environ=env)
     assert (j.rank, j.world_size, j.local_rank, j.local_world_size, j.master_addr, j.master_port) == (
         d.rank, d.world_size, d.local_rank, d.local_world_size, d.master_addr, d.master_port)
 

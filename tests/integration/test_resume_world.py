@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from data_prep import prep
-from pipeline.data.loader import read_info, shard_labels
 from pipeline.checkpoint_layout import complete_checkpoints
+from pipeline.data.loader import read_info, shard_labels
 from tests.integration.test_pretrain import losses, metrics, pretrain, shards, weights  # noqa: F401 (a fixture)
 from tests.multilabel_data import blobs_manifest
 

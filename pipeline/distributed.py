@@ -23,6 +23,7 @@ care which one started them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -36,14 +37,11 @@ from pipeline.world import place
 
 
 @dataclass(frozen=True)
-class DistEnv:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
+class DistEnv(world.Place):
+    """A process's place (pipeline.world) and the master its ranks meet at."""
+
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
-    source: str = "single"  # "env" (a launcher set RANK/WORLD_SIZE), "slurm" or "single" (pipeline.world)
 
     @property
     def is_rank0(self) -> bool:
@@ -75,8 +73,7 @@ def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port:
         port = int(master_port or rendezvous_port(env.get("SLURM_JOB_ID", "0"), slurm.restart_count(env)))
     else:
         return DistEnv()
-    return DistEnv(rank=p.rank, world_size=p.world_size, local_rank=p.local_rank,
-                   local_world_size=p.local_world_size, master_addr=addr, master_port=port, source=p.source)
+    return DistEnv(**dataclasses.asdict(p), master_addr=addr, master_port=port)
 
 
 def export_env(d: DistEnv) -> None:

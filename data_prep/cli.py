@@ -176,9 +176,9 @@ DECONTAM_EPILOG = """\
 Reads the signatures `vitp prep` stored beside each shard (no image is read) and writes
 OUT/_exclude.json: the samples that are near-duplicates of a test image. Every loader leaves them
 out (the shards stay as they are). OUT/_info.json's decontaminated block then lists the test sets
-beside those prep checked, marked "by": "vitp decontam". The same test sets again change nothing. An output prepared
-before prep stored signatures needs --rehash (each such shard is decoded once and its signatures
-written). `vitp submit decontam` runs the same check as a SLURM array over shard ranges.
+beside those prep checked, marked "by": "vitp decontam". The same test sets again change nothing.
+An output prepared before prep stored signatures needs --rehash (each such shard is decoded once
+and its signatures written). `vitp submit decontam` runs the same check as a SLURM array over shard ranges.
 
 example:
   vitp decontam out/web --exclude-near data/imagenet_val --exclude-near s3://bench/cifar10

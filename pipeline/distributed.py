@@ -33,7 +33,6 @@ from pipeline import slurm, world
 from pipeline.errors import Classified
 from pipeline.network import free_port, port_free, rendezvous_port
 from pipeline.threads import use_cpu_threads
-from pipeline.world import place
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ def dist_env(environ: dict | None = None, *, master_addr: str = "", master_port:
     submitting shell, stale for this allocation.
     """
     env = os.environ if environ is None else environ
-    p = place(env)
+    p = world.place(env)
     if p.source == world.LAUNCHER:
         addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500))
     elif p.source == world.SLURM:

@@ -13,7 +13,7 @@ Layout under ``RUN_DIR/checkpoints/``::
 :class:`CheckpointManager` writes and reads them: it takes the run's parts as named
 :class:`Stateful` objects (``state_dict``/``load_state_dict``), saves each under its name, restores
 each by name, and decides when to save. Which folders are checkpoints and which of them count is
-pipeline/checkpoint_layout.py's (readers outside train ask it); :func:`read_weights` consolidates one.
+pipeline/checkpoint_layout.py's (readers outside train ask it); pipeline.weights reads one's weights.
 
 DeepSpeed's own ``latest`` file is not written: it appears before every rank has finished. A
 checkpoint exists iff its ``step-*`` folder exists with a manifest (a rename is atomic), so a job
@@ -81,14 +81,6 @@ def resume_choice(run_dir: str | os.PathLike) -> Path | None:
     mine = latest_checkpoint(run_dir) if rank == 0 else None
     name = broadcast_from_rank0(mine.name if mine is not None else None)
     return root(run_dir) / name if name else None
-
-
-def read_weights(ckpt: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """A checkpoint folder's consolidated fp32 model weights (any ZeRO stage, no engine needed) and
-    its model config (build_vit kwargs) from the manifest."""
-    from pipeline.train import engine as eng
-
-    return eng.fp32_state_dict(str(ckpt)), read_manifest(ckpt).get("model_config")
 
 
 def _names(folder: Path) -> list[str]:

@@ -43,7 +43,6 @@ from pipeline.distributed import all_reduce, rank0_print, wait_for_rank0
 from pipeline.errors import Classified
 from pipeline.eval.figures import loss_curve_png
 from pipeline.tracking import Sinks
-from pipeline.train import checkpoint as ckpt_lib
 from pipeline.train import engine as eng_lib
 from pipeline.train.build import Run
 from pipeline.train.collector import Collector
@@ -174,7 +173,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
     """Train the built ``run`` from its ``step`` to its ``steps``; ``finish(Finished)`` runs on every
     rank once the final weights are published, before the tracker closes (fine-tuning's final
     evaluation and model registration)."""
-    from pipeline.weights import save_weights
+    from pipeline.weights import load_checkpoint_weights, save_weights
 
     engine, loader, source, mixer, drops = run.engine, run.loader, run.source, run.mixer, run.drops
     device, dtype, accum, tracker, checkpoints = run.device, run.dtype, run.accum, run.tracker, run.checkpoints
@@ -286,7 +285,7 @@ def train(run: Run, *, finish: Callable[[Finished], None] | None = None) -> Resu
                     mlflow_run_id=tracker.run_id)
     # rank 0's work below reads files, not the group: no rank waits inside a collective meanwhile
     if run.rank == 0:
-        sd, model_config = ckpt_lib.read_weights(checkpoints.path(step))
+        sd, model_config = load_checkpoint_weights(checkpoints.path(step), consolidate=eng_lib.fp32_state_dict)
         if run.ema is not None:  # the averaged weights are the ones to ship; raw ones stay in checkpoints
             averaged = run.ema.state_dict()
             sd = {k: averaged.get(k, v) for k, v in sd.items()}

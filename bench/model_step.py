@@ -21,11 +21,14 @@ is part of the timed step), in the same interleaved rounds:
 
 with the S/16 ones also as the headlines `ratio train_step_patchdrop50_vs_full` and `..._vs_timm`.
 
-One process's ratio is one sample: allocator state, thread placement and what else the machine runs
-differ from process to process (six processes of S/16 once gave train_step_vs_timm from 0.84 to 1.16).
-So the interleaved rounds run in --processes fresh processes (default 3), one after the other; each
-`ratio` line is the median of their ratios, and a `# NAME: median M, range LO-HI` line follows it with
-every process's value.
+Each process holds its host allocator steady as a vitp rank does (pipeline/threads.py
+steady_allocator; the same for every model in it): with glibc's default, where a step's activation
+tensors land (reused heap or fresh, zero-filled pages) depended on the process's allocation history,
+so six processes of S/16 once gave train_step_vs_timm from 0.84 to 1.16, and the class-token path
+was slower than every token in some. `--default-allocator` measures that default. One process's ratio
+is still one sample (thread placement, what else the machine runs), so the interleaved rounds run in
+--processes fresh processes (default 3), one after the other; each `ratio` line is the median of their
+ratios, and a `# NAME: median M, range LO-HI` line follows it with every process's value.
 
     python bench/model_step.py                 # S/16 224 px batch 8 and a small config, 2 threads, 3 processes
     python bench/model_step.py --compile       # + torch.compile(vitp) vs eager vitp (small config)
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.model import build_vit, draw_keep, vitp_to_timm  # noqa: E402
+from pipeline.threads import steady_allocator  # noqa: E402
 
 PATCH_DROP = 0.5
 
@@ -89,21 +94,22 @@ def make_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, patch_dr
         keep = draw_keep(len(x), vit.patch_grid[0] * vit.patch_grid[1], patch_drop, gen)
         return model(x, keep=keep)
 
-    def step() -> tuple[float, float]:
-        """(wall seconds, process CPU seconds) of one step."""
-        t0, c0 = time.perf_counter(), time.process_time()
+    def step() -> tuple[float, float, int]:
+        """(wall seconds, process CPU seconds, page faults) of one step."""
+        t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = torch.nn.functional.cross_entropy(forward(), y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0, time.process_time() - c0
+        return (time.perf_counter() - t0, time.process_time() - c0,
+                resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
     return step
 
 
-def interleaved(steps: dict, rounds: int, warmup: int, raw: dict | None = None) -> dict[str, tuple[float, float]]:
-    """name -> (median wall seconds, median CPU seconds) of one step, over ``rounds`` rounds that each
-    run every step once, in an order rotated by one every round, after ``warmup`` such rounds.
+def interleaved(steps: dict, rounds: int, warmup: int, raw: dict | None = None) -> dict[str, tuple[float, ...]]:
+    """name -> (median wall seconds, median CPU seconds, median page faults) of one step, over ``rounds``
+    rounds that each run every step once, in an order rotated by one every round, after ``warmup`` such rounds.
     ``raw``, if given, receives name -> every round's wall seconds."""
     names = list(steps)
     for _ in range(warmup):
@@ -115,7 +121,7 @@ def interleaved(steps: dict, rounds: int, warmup: int, raw: dict | None = None) 
             times[n].append(steps[n]())
     if raw is not None:
         raw.update({n: [t[0] for t in ts] for n, ts in times.items()})
-    return {n: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for n, ts in times.items()}
+    return {n: tuple(statistics.median(t[i] for t in ts) for i in range(3)) for n, ts in times.items()}
 
 
 def spread(raw: dict, num: str, den: str) -> str:
@@ -159,12 +165,16 @@ def measure(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=11, help="timed rounds (median); every model runs once a round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--default-allocator", action="store_true",
+                    help="leave glibc's allocator at its defaults (a vitp rank holds it steady)")
     ap.add_argument("--compile", action="store_true", help="also time torch.compile(vitp)")
     ap.add_argument("--compile-config", default="small", choices=list(CONFIGS))
     ap.add_argument("--processes", type=int, default=3,
                     help="fresh processes, one after the other (the ratios' median and range)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    steady = not args.default_allocator and steady_allocator()
+    print(f"# allocator: {'held steady, as a vitp rank' if steady else 'the default'}")
     for name in args.configs:
         cfg, batch = CONFIGS[name]
         torch.manual_seed(0)
@@ -196,13 +206,16 @@ def measure(argv: list[str] | None = None) -> None:
                          "vitp_pd": make_step(ours_pd, x, y, PATCH_DROP),
                          "vitp_pd_all_tokens": make_step(full_pd, x, y, PATCH_DROP),
                          "timm_pd": make_step(ref_pd, x, y)}, args.steps, args.warmup, raw := {})
-        (t_ours, c_ours), (t_full, c_full), (t_ref, c_ref) = t["vitp"], t["vitp_all_tokens"], t["timm"]
+        (t_ours, c_ours, f_ours), (t_full, c_full, f_full), (t_ref, c_ref, f_ref) = \
+            t["vitp"], t["vitp_all_tokens"], t["timm"]
         print(f"# {name}: vitp {t_ours * 1e3:.1f} ms  vitp all tokens {t_full * 1e3:.1f} ms  "
               f"timm {t_ref * 1e3:.1f} ms (batch {batch}, median of {args.steps} rounds); "
-              f"cpu-time ratios {c_ours / c_ref:.3f}, same work {c_full / c_ref:.3f}; logits agree to {diff:.1e}")
+              f"cpu-time ratios {c_ours / c_ref:.3f}, same work {c_full / c_ref:.3f}; logits agree to {diff:.1e}; "
+              f"page faults per step {f_ours:.0f}, {f_full:.0f}, {f_ref:.0f}")
         print(f"ratio train_step_vs_timm_{name} {t_ours / t_ref:.3f}")
         print(f"ratio train_step_vs_timm_same_work_{name} {t_full / t_ref:.3f}")
-        (t_pd, c_pd), (t_pd_full, c_pd_full), (t_ref_pd, c_ref_pd) = t["vitp_pd"], t["vitp_pd_all_tokens"], t["timm_pd"]
+        (t_pd, c_pd, _), (t_pd_full, c_pd_full, _), (t_ref_pd, c_ref_pd, _) = \
+            t["vitp_pd"], t["vitp_pd_all_tokens"], t["timm_pd"]
         print(f"# {name} patch_drop {PATCH_DROP}: vitp {t_pd * 1e3:.1f} ms  vitp all tokens {t_pd_full * 1e3:.1f} ms  "
               f"timm {t_ref_pd * 1e3:.1f} ms; per-round ratio quartiles: vs full {spread(raw, 'vitp_pd', 'vitp')}, "
               f"vs timm {spread(raw, 'vitp_pd', 'timm_pd')}, same work {spread(raw, 'vitp_pd_all_tokens', 'timm_pd')}; "
@@ -227,7 +240,7 @@ def measure(argv: list[str] | None = None) -> None:
         y = torch.randint(0, cfg["num_classes"], (batch,))
         t = interleaved({"compiled": make_step(compiled, x, y), "eager": make_step(eager, x, y)}, args.steps,
                         max(args.warmup, 2))  # the first compiled steps include compilation
-        (t_c, c_c), (t_e, c_e) = t["compiled"], t["eager"]
+        (t_c, c_c, _), (t_e, c_e, _) = t["compiled"], t["eager"]
         print(f"# compile ({args.compile_config}): compiled {t_c * 1e3:.1f} ms  "
               f"eager {t_e * 1e3:.1f} ms; cpu-time ratio {c_c / c_e:.3f}")
         print(f"ratio train_step_compiled_vs_eager {t_c / t_e:.3f}")

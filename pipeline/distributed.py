@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pipeline import slurm, world
 from pipeline.errors import Classified
 from pipeline.network import free_port, port_free, rendezvous_port
-from pipeline.threads import use_cpu_threads
+from pipeline.threads import steady_allocator, use_cpu_threads
 
 
 @dataclass(frozen=True)
@@ -402,7 +402,8 @@ _ACCELERATOR = None  # what setup() chose for this process while its group lives
 
 def setup(cfg) -> str:
     """This process's one setup for a stage: take its CPU threads from cluster.cpus_per_task
-    (:func:`use_cpu_threads`, the same under every launcher), decide the accelerator on this node, read
+    (:func:`use_cpu_threads`, the same under every launcher), hold its host allocator steady
+    (:func:`steady_allocator`: a step's freed memory is kept for the next one), decide the accelerator on this node, read
     rank/world/master from the environment (a launcher's or SLURM's; engine.master_addr/master_port
     under SLURM alone), export them for DeepSpeed, and join the process group (a group of one for a
     single process: DeepSpeed needs one); returns 'cuda' or 'cpu'.
@@ -417,6 +418,7 @@ def setup(cfg) -> str:
     import torch.distributed as dist
 
     note = use_cpu_threads(cfg.cluster.cpus_per_task)
+    steady_allocator()
     if note:
         rank0_print(note, file=sys.stderr)
     if _ACCELERATOR is not None and dist.is_initialized():

@@ -68,18 +68,22 @@ def grey(a: np.ndarray) -> np.ndarray:
     return a if a.ndim == 2 else cv2.cvtColor(a, cv2.COLOR_RGB2GRAY)
 
 
-def _band(g: np.ndarray, axis: int) -> tuple[int, int]:
-    """g: [h, w] float32 grey -> (a, b): rows (axis 1) or columns (axis 0) [0, a) and [b, n) are the
-    outer runs of flat lines (spanning at most _FLAT grey levels) within _FLAT of the outermost line's
-    mean: a band of one colour at either end."""
-    flat, mean = np.ptp(g, axis=axis) <= _FLAT, g.mean(axis=axis)
-    n = len(flat)
-    a, b = 0, n
-    while a < n and flat[a] and abs(mean[a] - mean[0]) <= _FLAT:
-        a += 1
-    while b > a and flat[b - 1] and abs(mean[b - 1] - mean[-1]) <= _FLAT:
-        b -= 1
-    return a, b
+def _band(hi: np.ndarray, lo: np.ndarray) -> tuple[int, int]:
+    """The brightest and darkest level of each row or column [n] uint8 -> (a, b): lines [0, a) and [b, n)
+    are a frame's, the outer runs of flat lines (spanning at most _FLAT grey levels) each within _FLAT of
+    its end's outermost line, the two ends alike within _FLAT; (0, n) where the axis has none (at most
+    one end flat, the two unlike, or every line one flat colour)."""
+    n = len(hi)
+    flat = hi - lo <= _FLAT  # uint8: hi >= lo
+    mid = hi.astype(np.int16) + lo  # twice each line's middle level
+    if not n or not (flat[0] and flat[-1]) or abs(int(mid[0]) - int(mid[-1])) > 2 * _FLAT:
+        return 0, n
+    top = flat & (np.abs(mid - mid[0]) <= 2 * _FLAT)
+    a = int(np.argmin(top)) if not top.all() else n
+    if a == n:
+        return 0, n
+    bottom = flat & (np.abs(mid - mid[-1]) <= 2 * _FLAT)
+    return a, n - int(np.argmin(bottom[::-1]))
 
 
 def trim_box(g: np.ndarray) -> tuple[int, int, int, int]:
@@ -93,14 +97,10 @@ def trim_box(g: np.ndarray) -> tuple[int, int, int, int]:
     flat nor the picture's, and its step would read as detail."""
     y0, y1, x0, x1 = 0, g.shape[0], 0, g.shape[1]
     for _ in range(3):
-        inner = g[y0:y1, x0:x1].astype(np.float32)
+        inner = g[y0:y1, x0:x1]
         h, w = inner.shape
-        (a, b), (c, d) = _band(inner, 1), _band(inner, 0)
-        if not (0 < a and b < h and abs(inner[:a].mean() - inner[b:].mean()) <= _FLAT):
-            a, b = -1, h + 1
-        if not (0 < c and d < w and abs(inner[:, :c].mean() - inner[:, d:].mean()) <= _FLAT):
-            c, d = -1, w + 1
-        a, b, c, d = a + 1, b - 1, c + 1, d - 1
+        (a, b), (c, d) = _band(inner.max(axis=1), inner.min(axis=1)), _band(inner.max(axis=0), inner.min(axis=0))
+        a, b, c, d = a + (a > 0), b - (b < h), c + (c > 0), d - (d < w)
         if (a, b, c, d) == (0, h, 0, w) or 2 * (b - a) < g.shape[0] or 2 * (d - c) < g.shape[1]:
             break
         y0, y1, x0, x1 = y0 + a, y0 + b, x0 + c, x0 + d

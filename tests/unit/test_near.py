@@ -153,3 +153,38 @@ def test_the_batched_blur_is_opencvs():
 
     g = np.random.default_rng(0).integers(0, 256, (16, 16)).astype(np.float32)
     assert np.abs(BLUR_MATRIX @ g @ BLUR_MATRIX.T - cv2.GaussianBlur(g, (0, 0), BLUR_SIGMA)).max() < 1e-3
+
+
+def _half_sky(photo: Image.Image, seed: int) -> np.ndarray:
+    """A 192 px square: a noisy sky (a slow gradient, noise sigma 5; 80 rows) above a textured part of the photo.
+    At full size the sky's rows span ~30 grey levels; a quarter-size copy averages the noise away and
+    reads them as flat (<= 16), which must not frame the copy differently from its original."""
+    rng = np.random.default_rng(seed)
+    pic = np.asarray(photo.convert("RGB"))[-112:, :192].astype(np.float32)
+    sky = np.linspace(150, 190, 80, dtype=np.float32)[:, None, None] * np.array([0.75, 0.85, 1.0], np.float32)
+    sky = np.broadcast_to(sky, (80, 192, 3)) + rng.normal(0, 5, (80, 192, 1))
+    return np.clip(np.concatenate([sky, pic]), 0, 255).astype(np.uint8)
+
+
+def test_a_quarter_size_copy_of_a_half_flat_picture_is_found(photos):
+    """The trim takes off a frame only (flat bands of one colour at both ends of an axis), not a picture's
+    own flat sky: at full size the sky is noisy and stays, at a quarter it is flat, so a trim of flat
+    lines as such cut the sky off the copy alone (its hash 32 bits off). The quarter-size copy is found,
+    the sky kept by both; the same sky over the other photo is not."""
+    from data_prep.near import grey, trim_box
+
+    a, other = _half_sky(photos[0], 0), _half_sky(photos[1], 1)
+    quarter = np.asarray(Image.fromarray(a).resize((48, 48), Image.Resampling.BILINEAR))
+    assert trim_box(grey(a)) == (0, 192, 0, 192) and trim_box(grey(quarter)) == (0, 48, 0, 48)
+    refs = [reference(a), reference(other)]
+    index = NearIndex.build([r[0] for r in refs], D, np.stack([r[1] for r in refs]))
+    m = index.nearest(*signature(quarter))
+    assert m is not None and m.test == 0 and m.distance <= 6 and m.margin >= 0.02, m
+    index = NearIndex.build([refs[1][0]], D, refs[1][1][None])
+    assert index.nearest(*signature(quarter)) is None and index.nearest(*signature(a)) is None
+    # a frame is still trimmed whole: a 10 px border, and a letterbox (top and bottom only)
+    framed = np.asarray(ImageOps.expand(Image.fromarray(a), 10, fill=(0, 0, 0)))
+    boxed = np.pad(a, ((24, 24), (0, 0), (0, 0)), constant_values=20)
+    assert trim_box(grey(framed)) == (11, 201, 11, 201) and trim_box(grey(boxed)) == (25, 215, 0, 192)
+    assert index.nearest(*signature(framed)) is None
+    assert NearIndex.build([refs[0][0]], D, refs[0][1][None]).nearest(*signature(framed)).distance <= 4

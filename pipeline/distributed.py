@@ -403,10 +403,10 @@ _ACCELERATOR = None  # what setup() chose for this process while its group lives
 def setup(cfg) -> str:
     """This process's one setup for a stage: take its CPU threads from cluster.cpus_per_task
     (:func:`use_cpu_threads`, the same under every launcher), hold its host allocator steady
-    (:func:`steady_allocator`: a step's freed memory is kept for the next one), decide the accelerator on this node, read
-    rank/world/master from the environment (a launcher's or SLURM's; engine.master_addr/master_port
-    under SLURM alone), export them for DeepSpeed, and join the process group (a group of one for a
-    single process: DeepSpeed needs one); returns 'cuda' or 'cpu'.
+    (:func:`steady_allocator`: a step's freed memory is kept for the next one), decide the
+    accelerator on this node, read rank/world/master from the environment (a launcher's or SLURM's;
+    engine.master_addr/master_port under SLURM alone), export them for DeepSpeed, and join the process
+    group (a group of one for a single process: DeepSpeed needs one); returns 'cuda' or 'cpu'.
 
     The config asks for GPUs with engine.backend=nccl or cluster.gpus_per_node > 0 (the B/L/H
     recipes): without usable CUDA that is an AcceleratorError under every launcher (torchrun,

@@ -126,11 +126,12 @@ def test_a_ranks_allocator_keeps_what_a_step_frees_unless_the_user_set_it(env):
             for mode in ("steady", "default")}
     out = {mode: r.stdout.split() for mode, r in runs.items()}
     assert all(r.returncode == 0 for r in runs.values()), [r.stderr[-800:] for r in runs.values()]
-    assert int(out["default"][1]) > 50_000  # glibc's default (and the users' settings here): fresh pages
+    assert int(out["default"][1]) > 50_000, out  # glibc's default (and the users' settings here): fresh pages
     if env:
         assert out["steady"][0] == "False"  # the user's setting stays
     else:
-        assert out["steady"][0] == "True" and int(out["steady"][1]) < 200, out
+        # at most one 40 MiB tensor's fresh pages in 10 steps (the heap grown once more), not one a step
+        assert out["steady"][0] == "True" and int(out["steady"][1]) < 15_000, out
 
 
 def test_a_free_port_is_one_no_outgoing_connection_can_be_handed_meanwhile():

@@ -16,9 +16,10 @@ duplicates. The default sample, some 3.3e8 pairs, resolves the goal: one chance 
 Prints the per-pair false-match rate with the hash alone and with the check, and the share of clean
 training images each would reject against 300k test images, 1 - (1 - p)^300000 (`ratio
 decontam_false_rate_300k_hash_only`, `ratio decontam_false_rate_300k`: goal <= 0.001); then, for copies
-of test crops under each transform (resize, JPEG q30, 5% crop, 10 px border, mirror, brightness +-10%),
-the recall: the share whose lookup among all the test crops finds a crop of its own photo; then lookups
-per second per core at 100k test images (random signatures), and the index against a brute-force scan.
+of test crops under each transform (resize, JPEG q30, 5% crop, 10 px border, mirror, brightness +-10%,
+greyscale), the recall: the share whose lookup among all the test crops finds a crop of its own photo;
+then lookups per second per core at 100k test images (random signatures), and the index against a
+brute-force scan.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ TRANSFORMS = {
     "mirror": ImageOps.mirror,
     "brightness+10%": lambda im: ImageEnhance.Brightness(im).enhance(1.1),
     "brightness-10%": lambda im: ImageEnhance.Brightness(im).enhance(0.9),
+    "greyscale": lambda im: im.convert("L"),  # the copy the grey rule (near.MIN_GREY) is there to find
 }
 
 

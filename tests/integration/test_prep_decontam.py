@@ -66,7 +66,7 @@ def test_rejects_and_info_name_each_near_duplicate(sets, tmp_path):
     assert china["reason"] == "near_duplicate" and "bits apart" in china["detail"]
     info = json.loads((out / "_info.json").read_text())
     block = info["decontaminated"]
-    assert block["signature"] == "phash-dct-64+thumbs-448" and block["version"] == 4 and block["threshold"] == 12
+    assert block["signature"] == "phash-dct-64+thumbs-448" and block["version"] == 5 and block["threshold"] == 12
     assert [(a["address"], a["images"], a["rejected"], a["duplicated"]) for a in block["against"]] == [
         (str(sets["china"]), 1, 1, 1), (str(sets["flower"]), 1, 1, 1)]
     assert block["rejected"] == 2 and all(len(a["digest"]) == 16 for a in block["against"])

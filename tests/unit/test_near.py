@@ -43,6 +43,7 @@ COPIES = {
     "mirror": ImageOps.mirror,
     "brighter": lambda im: ImageEnhance.Brightness(im).enhance(1.1),
     "darker": lambda im: ImageEnhance.Brightness(im).enhance(0.9),
+    "greyscale": lambda im: im.convert("L"),  # of a colour test image: what the grey rule is for
 }
 
 
@@ -188,3 +189,36 @@ def test_a_quarter_size_copy_of_a_half_flat_picture_is_found(photos):
     assert trim_box(grey(framed)) == (11, 201, 11, 201) and trim_box(grey(boxed)) == (25, 215, 0, 192)
     assert index.nearest(*signature(framed)) is None
     assert NearIndex.build([refs[0][0]], D, refs[0][1][None]).nearest(*signature(framed)).distance <= 4
+
+
+def _one_line(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two 192 px squares that share one dark horizontal line and little else: (a pink dusk sky over a
+    thin dark shore, calm water below, in colour; a grey picture of fog with its own coarse texture over
+    and under a dark line at the same height)."""
+    rng = np.random.default_rng(seed)
+    y = np.arange(192, dtype=np.float32)[:, None]
+    field = np.where(y < 120, 200 + 20 * y / 120, 170.0)
+    sky = field + rng.normal(0, 2, (192, 192))
+    sky[120:128] = 40
+    fog = 0.8 * field + np.kron(rng.normal(0, 8, (24, 24)), np.ones((8, 8)))
+    fog[120:128] = 30
+    return (np.clip(np.stack([sky, 0.7 * sky, 0.8 * sky], -1), 0, 255).astype(np.uint8),
+            np.clip(fog, 0, 255).astype(np.uint8))
+
+
+def test_one_shared_line_does_not_make_a_grey_picture_a_copy(monkeypatch):
+    """A grey picture against a colour one is compared without colour (luma, detail): a line both share
+    over unlike content passes those, not the detail less its strongest row x column pattern (the
+    line); a greyscale copy of the colour picture passes all three."""
+    import data_prep.near as near
+
+    colour, fog = _one_line(0)
+    hashes, refs = reference(colour)
+    h, t = signature(fog)
+    assert margin(t, refs[None])[0] < -0.5
+    monkeypatch.setattr(near, "MIN_GREY", near.MIN_GREY[:2] + (-1.0,))  # luma and detail alone: passed
+    assert margin(t, refs[None])[0] >= 0
+    monkeypatch.undo()
+    index = NearIndex.build([hashes], D, refs[None])
+    m = index.nearest(*signature(np.asarray(Image.fromarray(colour).convert("L"))))
+    assert m is not None and m.test == 0 and m.distance <= 2 and m.margin >= 0.02, m

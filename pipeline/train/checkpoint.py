@@ -70,7 +70,7 @@ from pipeline.checkpoint_layout import (
 from pipeline.distributed import any_rank, broadcast_from_rank0, new_gloo_group, rank0_print, rank_world, wait_for_rank0
 from pipeline.errors import Classified
 from pipeline.files import atomic_write, fsync_path
-from pipeline.train.saving import Background, DirectFile, HostCopy, free_space, writer_config
+from pipeline.train.saving import Background, HostCopy, free_space, without_crc
 
 SHARED = "vitp_shared.pt"  # the states equal on every rank, written once by rank 0
 
@@ -366,10 +366,9 @@ class CheckpointManager:
         error, where = None, tmp
         try:
             faults.hit("save_begin", step)
-            with writer_config():
+            with without_crc():
                 for where, state, write in files:
-                    with DirectFile(where) as f:
-                        write(state, f)
+                    write(state, str(where))
             fsync_own_files(tmp, rank)
             faults.hit("save", step)
         except Exception as e:  # a full disk (torch's zip writer may say only "unexpected pos"), a vanished mount

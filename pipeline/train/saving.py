@@ -5,8 +5,7 @@ background thread (pipeline/train/checkpoint.py's manager decides what and when)
                  buffers kept from one save to the next: one snapshot per rank at most
     Background   one write at a time in a thread; its failure kept as one line for the loop to act on
     host_room    whether this node's free memory holds every local rank's snapshot
-    DirectFile   a file written around the page cache (O_DIRECT) where the file system allows it
-    writer_config  torch.save as the writer calls it: no CRC32, records aligned for DirectFile
+    without_crc  torch.save as the writer calls it
 
 Why a copy and not the live tensors: the optimizer updates its fp32 master weights and Adam moments
 in place at the next step, while the thread is still writing them; a copy is what the step saved.
@@ -14,7 +13,6 @@ in place at the next step, while the thread is still writing them; a copy is wha
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import threading
@@ -22,12 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
-
-# O_DIRECT's unit: a buffer's address, a write's offset and its length are multiples of it (a logical
-# block is at most 4 KiB; some file systems ask for the page)
-ALIGN = max(4096, mmap.PAGESIZE)
 
 
 class HostCopy:
@@ -76,8 +69,7 @@ class HostCopy:
         if i < len(self.buffers) and self.buffers[i].shape == t.shape and self.buffers[i].dtype == t.dtype:
             buf = self.buffers[i]
         else:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) if pin else \
-                aligned_empty(t.shape, t.dtype)
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
             self.buffers[i:i + 1] = [buf]
         buf.copy_(t, non_blocking=pin)
         self._memo[id(key)] = (key, buf)
@@ -89,98 +81,6 @@ class HostCopy:
             torch.cuda.synchronize()
         del self.buffers[self._next:]  # a state that shrank: no stale buffer kept
         self._next, self._memo, self._cuda = 0, {}, False
-
-
-def aligned_empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory starts on a page (private anonymous memory): a
-    DirectFile writes it to disk from where it lies, with no copy through the page cache."""
-    n = torch.Size(shape).numel() * dtype.itemsize
-    if n < ALIGN:
-        return torch.empty(shape, dtype=dtype)
-    mem = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mem, dtype=torch.uint8, count=n).view(dtype).view(shape)  # holds ``mem``
-
-
-class DirectFile:
-    """A file for torch.save, written with O_DIRECT: large aligned pieces (the tensors' bytes, under
-    :func:`writer_config`'s record alignment, from :func:`aligned_empty` buffers) go from memory to
-    the disk as they lie; the rest (headers, the pickle, a piece's unaligned tail) through one
-    aligned bounce buffer. Written the usual way, every byte is copied into the page cache first and
-    the kernel then writes the dirty pages back: measured here for 700 MB, 0.66 s of CPU and 0.94 s
-    against 0.03 s and 0.35 s this way. Where the file system refuses O_DIRECT (tmpfs), or
-    ``direct=False``, a plain buffered file. Close it (or use ``with``); fsync is the caller's."""
-
-    BOUNCE = 4 * 2**20
-
-    def __init__(self, path: str | os.PathLike, direct: bool = True):
-        self.path, self.pos, self.fill = str(path), 0, 0
-        self.copied = 0  # bytes that went through the bounce buffer (the rest went from where they lay)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.fd, self.direct = None, False
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self.fd, self.direct = os.open(self.path, flags | os.O_DIRECT, 0o644), True
-            except OSError:  # EINVAL: this file system has no direct I/O
-                pass
-        if self.fd is None:
-            self.fd = os.open(self.path, flags, 0o644)
-        self.bounce = mmap.mmap(-1, self.BOUNCE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-
-    def write(self, data) -> int:
-        mv = memoryview(data).cast("B")
-        n = len(mv)
-        if not self.direct:
-            self._all(mv)
-        else:
-            if self.pos % ALIGN == 0 and n >= ALIGN and np.frombuffer(mv, np.uint8).ctypes.data % ALIGN == 0:
-                self._flush()  # holds whole blocks: the file's position is aligned
-                whole = n - n % ALIGN
-                self._all(mv[:whole])
-                mv = mv[whole:]
-            while len(mv):
-                k = min(len(mv), self.BOUNCE - self.fill)
-                self.bounce[self.fill:self.fill + k] = mv[:k]
-                self.fill, self.copied, mv = self.fill + k, self.copied + k, mv[k:]
-                if self.fill == self.BOUNCE:
-                    self._flush()
-        self.pos += n
-        return n
-
-    def _all(self, mv: memoryview) -> None:
-        while len(mv):
-            mv = mv[os.write(self.fd, mv):]
-
-    def _flush(self) -> None:
-        """Write the bounce buffer's whole blocks, keep its partial last block at its start."""
-        whole = self.fill - self.fill % ALIGN
-        if whole:
-            self._all(memoryview(self.bounce)[:whole])
-            rest = self.fill - whole
-            self.bounce[:rest] = self.bounce[whole:self.fill]
-            self.fill = rest
-
-    def flush(self) -> None:  # torch.save calls it; the bytes go out at close
-        pass
-
-    def close(self) -> None:
-        if self.fd is None:
-            return
-        try:
-            if self.direct and self.fill:
-                padded = -(-self.fill // ALIGN) * ALIGN  # O_DIRECT writes whole blocks: the last is padded,
-                self.bounce[self.fill:padded] = bytes(padded - self.fill)
-                self._all(memoryview(self.bounce)[:padded])
-                os.ftruncate(self.fd, self.pos)  # and the file cut back to its length
-        finally:
-            os.close(self.fd)
-            self.fd = None
-            self.bounce.close()
-
-    def __enter__(self) -> DirectFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class Background:
@@ -259,15 +159,13 @@ def host_room(snapshot_bytes: int, local_ranks: int, available: int | None = Non
     return available is None or snapshot_bytes * local_ranks <= margin * available
 
 
-def writer_config():
-    """torch.save as the checkpoint writer calls it: without the CRC32 of each record (computing it
-    took 4/5 of a save's CPU time here, 1.6 s of 2 s for 400 MB, and torch.load never checks it: a
-    flipped byte loads silently, measured with torch 2.14; a checkpoint's files are checked by their
-    sizes in the manifest instead), and each tensor's bytes at an ALIGN offset of the file (torch.load
-    reads the alignment from the file), so :class:`DirectFile` writes them where they lie."""
+def without_crc():
+    """torch.save without the CRC32 of each record: computing it took 4/5 of a save's CPU time here
+    (1.6 s of 2 s for 400 MB) and torch.load never checks it (a flipped byte loads silently: measured
+    with torch 2.14); a checkpoint's files are checked by their sizes in the manifest instead."""
     from torch.utils.serialization import config
 
-    return config.patch({"save.compute_crc32": False, "save.storage_alignment": ALIGN})
+    return config.patch({"save.compute_crc32": False})
 
 
 def free_space(folder: Path) -> str:

@@ -2,7 +2,6 @@
 the host-memory check, the minutes cadence's choice of step, the bytes the plan counts."""
 
 import collections
-import errno
 import os
 import threading
 import time
@@ -18,36 +17,6 @@ from pipeline.train.checkpoint import PLAN_AFTER, CheckpointManager
 from pipeline.train.saving import Background, HostCopy, host_room
 
 Pair = collections.namedtuple("Pair", "a b")
-
-
-def test_a_checkpoint_file_goes_to_disk_from_the_host_copy_and_loads_back(tmp_path, monkeypatch):
-    """DirectFile: the host copy's tensors (page-aligned buffers) are written with O_DIRECT from where
-    they lie, only headers, the pickle and small tensors through its bounce buffer; where the file
-    system refuses O_DIRECT, a plain file with the same bytes."""
-    state = {"w": torch.randn(300, 1000), "odd": torch.randn(5001), "b": torch.randn(7).bfloat16(),
-             "e": torch.empty(0), "n": 3, "s": "x"}
-    copy = HostCopy()
-    snap = copy(state)
-    copy.done()
-    assert snap["w"].data_ptr() % saving.ALIGN == 0 and snap["odd"].data_ptr() % saving.ALIGN == 0
-    with saving.writer_config(), saving.DirectFile(tmp_path / "d.pt") as f:
-        torch.save(snap, f)
-    back = torch.load(tmp_path / "d.pt", weights_only=True)
-    assert all(torch.equal(back[k], state[k]) for k in ("w", "odd", "b", "e")) and (back["n"], back["s"]) == (3, "x")
-    assert f.pos == (tmp_path / "d.pt").stat().st_size  # the last block's padding cut off
-    if f.direct:  # O_DIRECT on this file system: the 1.2 MB of "w" and the aligned part of "odd" never copied
-        assert f.copied < 64 * 1024, f.copied
-    real_open = os.open
-
-    def no_direct(path, flags, *mode):
-        if flags & getattr(os, "O_DIRECT", 0):
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *mode)
-
-    monkeypatch.setattr(saving.os, "open", no_direct)
-    with saving.writer_config(), saving.DirectFile(tmp_path / "p.pt") as g:
-        torch.save(snap, g)
-    assert not g.direct and (tmp_path / "p.pt").read_bytes() == (tmp_path / "d.pt").read_bytes()
 
 
 def test_the_host_copy_is_what_the_step_saved_and_reuses_its_buffers():
